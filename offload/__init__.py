@@ -1,0 +1,98 @@
+"""Fine-grained activation offloading for PyTorch training.
+
+Choose modules by name; the tensors autograd saves inside them go to pinned host memory
+during forward (on a side stream, behind compute) and come back just before backward needs
+them, with gradients bitwise identical to training without offloading.
+
+    import offload
+    offload.configure(modules="core_attn,expert_fc1")
+    offload.attach(model, {"core_attn": "layers.*.attn.core", "expert_fc1": "layers.*.mlp.fc1"})
+    for batch in data:
+        loss = model(batch).sum()
+        loss.backward()
+        stats = offload.end_iteration()
+
+or around any code: ``with offload.group("core_attn", q, k, v) as (q, k, v): ...``.
+See ``docs/design.md`` for how the engine works.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from .chunk_handler import ChunkOffloadHandler
+from .config import DEFAULT_MIN_TENSOR_BYTES, OffloadConfig, parse_module_list
+from .errors import OffloadError, SavedTensorModifiedError, UnknownModuleError
+from .manager import PipelineOffloadManager
+from .regions import AttachHandle, attach, group, mark_not_offload, never_offload
+from .stats import GroupStats, IterationStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttachHandle",
+    "ChunkOffloadHandler",
+    "GroupStats",
+    "IterationStats",
+    "OffloadConfig",
+    "OffloadError",
+    "PipelineOffloadManager",
+    "SavedTensorModifiedError",
+    "UnknownModuleError",
+    "attach",
+    "begin_chunk",
+    "configure",
+    "end_iteration",
+    "get_manager",
+    "group",
+    "mark_not_offload",
+    "never_offload",
+    "parse_module_list",
+    "reset",
+]
+
+
+def configure(
+    modules: str | Iterable[str] = (),
+    *,
+    min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES,
+    max_inflight_groups: int = 2,
+    max_pinned_bytes: int | None = None,
+    timing: bool = True,
+    device: torch.device | str | None = None,
+) -> PipelineOffloadManager:
+    """Install the process-wide engine with a new `OffloadConfig` (see its fields).
+
+    ``modules`` takes ``"core_attn,expert_fc1"``, ``"core_attn expert_fc1"`` or a list.
+    ``device`` defaults to the current CUDA device, or the CPU fallback without CUDA.
+    """
+    config = OffloadConfig(
+        modules=modules,
+        min_tensor_bytes=min_tensor_bytes,
+        max_inflight_groups=max_inflight_groups,
+        max_pinned_bytes=max_pinned_bytes,
+        timing=timing,
+    )
+    return PipelineOffloadManager.configure(config, device)
+
+
+def get_manager() -> PipelineOffloadManager:
+    """The process-wide `PipelineOffloadManager`."""
+    return PipelineOffloadManager.get()
+
+
+def begin_chunk(chunk_id: int = 0, microbatch: int | None = None) -> None:
+    """The forward of a model chunk for a new microbatch begins (for pipeline schedules)."""
+    PipelineOffloadManager.get().begin_chunk(chunk_id, microbatch)
+
+
+def end_iteration() -> IterationStats:
+    """Close the training iteration and return its statistics."""
+    return PipelineOffloadManager.get().end_iteration()
+
+
+def reset(release_pool: bool = False) -> None:
+    """Forget all groups (after an aborted step); optionally free the pinned pool."""
+    PipelineOffloadManager.get().reset(release_pool)

@@ -1,0 +1,104 @@
+"""The user-facing configuration of the offloading engine."""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from .errors import UnknownModuleError
+
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
+
+DEFAULT_MIN_TENSOR_BYTES = 1 << 20
+"""Tensors smaller than this stay on the GPU: each copy costs microseconds of launch time
+and tiny copies run far below the link's bandwidth."""
+
+
+def parse_module_list(spec: str | Iterable[str] | None) -> tuple[str, ...]:
+    """Turn ``"core_attn,expert_fc1"``, ``"core_attn expert_fc1"`` or a list into names.
+
+    Empty entries are dropped, order is kept and duplicates are removed.
+    """
+    if spec is None:
+        return ()
+    if isinstance(spec, str):
+        items = re.split(r"[,\s]+", spec)
+    else:
+        items = []
+        for item in spec:
+            if not isinstance(item, str):
+                raise TypeError(f"offload: module names must be strings, got {item!r}")
+            items.extend(re.split(r"[,\s]+", item))
+    names: list[str] = []
+    for item in items:
+        if item and item not in names:
+            if not _NAME_RE.match(item):
+                raise ValueError(
+                    f"offload: {item!r} is not a valid module name "
+                    "(letters, digits, '_', '.', '-'; not starting with a digit)"
+                )
+            names.append(item)
+    return tuple(names)
+
+
+def check_known(names: Iterable[str], known: Iterable[str], where: str) -> None:
+    """Raise `UnknownModuleError` for each name in ``names`` not in ``known``, with suggestions."""
+    known = sorted(set(known))
+    unknown = [n for n in names if n not in known]
+    if not unknown:
+        return
+    lines = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        lines.append(f"{name!r}{hint}")
+    raise UnknownModuleError(
+        f"offload: unknown module name(s) {', '.join(lines)} in {where}; "
+        f"valid names: {', '.join(known) if known else '(none)'}"
+    )
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """What to offload and how much may be in flight.
+
+    Attributes:
+        modules: names of the groups whose saved tensors are offloaded (``core_attn``, ...).
+            Groups with other names run normally. A string is split at commas and spaces.
+        min_tensor_bytes: saved tensors smaller than this stay on the GPU.
+        max_inflight_groups: at most this many groups may have device-to-host copies in flight
+            whose GPU memory is still held; past it the compute stream waits (on the GPU, never
+            the host) for the oldest copy, so the memory bound holds even when the host runs far
+            ahead of the GPU.
+        max_pinned_bytes: a cap on the pinned host pool; past it tensors stay on the GPU (with
+            one warning). ``None`` means no cap.
+        timing: record CUDA events around copies and waits so that statistics report copy
+            bandwidth and the time the compute stream waited. Costs a few events per group.
+    """
+
+    modules: tuple[str, ...] = ()
+    min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES
+    max_inflight_groups: int = 2
+    max_pinned_bytes: int | None = None
+    timing: bool = True
+    enabled: frozenset = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "modules", parse_module_list(self.modules))
+        object.__setattr__(self, "enabled", frozenset(self.modules))
+        if not isinstance(self.min_tensor_bytes, int) or self.min_tensor_bytes < 0:
+            raise ValueError(
+                f"offload: min_tensor_bytes must be an int >= 0, got {self.min_tensor_bytes!r}"
+            )
+        if not isinstance(self.max_inflight_groups, int) or self.max_inflight_groups < 1:
+            raise ValueError(
+                f"offload: max_inflight_groups must be an int >= 1, got {self.max_inflight_groups!r}"
+            )
+        if self.max_pinned_bytes is not None and (
+            not isinstance(self.max_pinned_bytes, int) or self.max_pinned_bytes < 0
+        ):
+            raise ValueError(
+                f"offload: max_pinned_bytes must be None or an int >= 0, got {self.max_pinned_bytes!r}"
+            )

@@ -1,0 +1,69 @@
+"""Which saved tensors may leave the GPU.
+
+A saved tensor is offloaded only if all of these hold:
+
+* it is a plain dense tensor (``type(t) is torch.Tensor``, strided layout): parameters
+  (``nn.Parameter``), fake/functional tensors and tensor subclasses stay;
+* it lives on the engine's device;
+* it holds at least ``min_tensor_bytes``;
+* it is not a leaf that requires grad (a parameter or a user input: someone else holds it,
+  so offloading would copy bytes and free nothing), nor a view of one (``weight.t()``
+  saved by ``addmm`` is a view of the weight, not an ``nn.Parameter``);
+* its storage is not marked never-offload and is not the storage of a registered
+  parameter (this catches parameter views made without autograd, e.g. under ``no_grad``).
+
+Storages are compared by address. An address is only meaningful while the storage lives,
+so every mark keeps a weak reference and is dropped once its tensor is gone.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Iterable
+
+import torch
+
+
+class TensorPolicy:
+    """The eligibility test run by the pack hook on every saved tensor."""
+
+    def __init__(self, owns: Callable[[torch.Tensor], bool], min_tensor_bytes: int) -> None:
+        self._owns = owns
+        self.min_tensor_bytes = min_tensor_bytes
+        self._blocked: dict[int, weakref.ref] = {}
+
+    def block_storage_of(self, tensor: torch.Tensor) -> None:
+        """Never offload ``tensor``'s storage (any view of it) while the tensor lives."""
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr:
+            self._blocked[ptr] = weakref.ref(tensor)
+
+    def block_parameters(self, params: Iterable[torch.Tensor]) -> None:
+        for p in params:
+            self.block_storage_of(p)
+
+    def refresh(self) -> None:
+        """Drop marks whose tensor is gone or whose storage moved (``model.to(...)``)."""
+        for ptr, ref in list(self._blocked.items()):
+            t = ref()
+            if t is None or t.untyped_storage().data_ptr() != ptr:
+                del self._blocked[ptr]
+                if t is not None:
+                    self.block_storage_of(t)
+
+    def eligible(self, t: torch.Tensor) -> bool:
+        """Cheap checks first; the storage lookup last."""
+        if type(t) is not torch.Tensor or t.layout is not torch.strided:
+            return False
+        if not self._owns(t) or t.numel() * t.element_size() < self.min_tensor_bytes:
+            return False
+        if t.requires_grad and t.is_leaf:
+            return False
+        base = t._base
+        if base is not None and base.requires_grad and base.is_leaf:
+            return False
+        if self._blocked:
+            ref = self._blocked.get(t.untyped_storage().data_ptr())
+            if ref is not None and ref() is not None:
+                return False
+        return True

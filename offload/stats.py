@@ -1,0 +1,67 @@
+"""Statistics of one iteration: per group name, plus the pinned pool and the streams."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GroupStats:
+    """What the groups of one name did in one iteration.
+
+    Times are milliseconds measured with CUDA events (zero on the CPU fallback or with
+    ``timing=False``). ``offload_wait_ms`` is the time the compute stream stood still waiting
+    for device-to-host copies (the in-flight bound), ``reload_wait_ms`` the time it waited
+    for host-to-device copies that backward needed. ``reloads_on_demand`` counts reloads that
+    backward asked for before anything had prefetched them (their copy could not overlap).
+    """
+
+    groups: int = 0
+    groups_offloaded: int = 0
+    groups_kept: int = 0
+    tensors_offloaded: int = 0
+    bytes_offloaded: int = 0
+    bytes_reloaded: int = 0
+    reloads_prefetched: int = 0
+    reloads_on_demand: int = 0
+    d2h_ms: float = 0.0
+    h2d_ms: float = 0.0
+    offload_wait_ms: float = 0.0
+    reload_wait_ms: float = 0.0
+
+    @property
+    def d2h_gbps(self) -> float:
+        return self.bytes_offloaded / self.d2h_ms / 1e6 if self.d2h_ms > 0 else 0.0
+
+    @property
+    def h2d_gbps(self) -> float:
+        return self.bytes_reloaded / self.h2d_ms / 1e6 if self.h2d_ms > 0 else 0.0
+
+
+@dataclass
+class IterationStats:
+    """Returned by ``end_iteration()``; ``by_name`` maps each group name to `GroupStats`."""
+
+    iteration: int = 0
+    by_name: dict[str, GroupStats] = field(default_factory=dict)
+    pinned_bytes: int = 0
+    pinned_buffers: int = 0
+    pinned_peak_bytes_in_use: int = 0
+    pinned_allocations: int = 0
+    pinned_failures: int = 0
+    max_inflight_groups: int = 0
+    handlers: int = 0
+
+    def total(self) -> GroupStats:
+        out = GroupStats()
+        for s in self.by_name.values():
+            for k, v in asdict(s).items():
+                setattr(out, k, getattr(out, k) + v)
+        return out
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        for name, s in self.by_name.items():
+            d["by_name"][name]["d2h_gbps"] = s.d2h_gbps
+            d["by_name"][name]["h2d_gbps"] = s.h2d_gbps
+        return d

@@ -1,0 +1,171 @@
+"""Reference models and comparison helpers shared by the tests, the benchmarks and the main job.
+
+`GPTLayerStack` is a GPT-style decoder stack whose submodules are named like Megatron-core's
+(``input_layernorm``, ``self_attention.linear_qkv``, ``self_attention.core_attention``, ...), so
+`GPT_MAPPING` gives the usual offload names (``attn_norm``, ``qkv_linear``, ``core_attn``,
+``attn_proj``, ``mlp_norm``, ``fc1``, ``mlp_act``, ``fc2``). It has no dropout: a step is a pure
+function of its inputs, which is what bitwise comparisons need.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GPT_MAPPING: dict[str, str] = {
+    "attn_norm": "layers.*.input_layernorm",
+    "qkv_linear": "layers.*.self_attention.linear_qkv",
+    "core_attn": "layers.*.self_attention.core_attention",
+    "attn_proj": "layers.*.self_attention.linear_proj",
+    "mlp_norm": "layers.*.pre_mlp_layernorm",
+    "fc1": "layers.*.mlp.linear_fc1",
+    "mlp_act": "layers.*.mlp.activation",
+    "fc2": "layers.*.mlp.linear_fc2",
+}
+
+
+class CoreAttention(nn.Module):
+    """Causal scaled-dot-product attention on a fused ``[s, b, 3h]`` qkv tensor."""
+
+    def __init__(self, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+
+    def forward(self, qkv: torch.Tensor) -> torch.Tensor:
+        s, b, three_h = qkv.shape
+        h = three_h // 3
+        d = h // self.heads
+        # [s, b, heads, 3, d] -> three [b, heads, s, d] views of one storage
+        qkv = qkv.view(s, b, self.heads, 3, d)
+        q, k, v = (qkv[:, :, :, i].permute(1, 2, 0, 3) for i in range(3))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out.permute(2, 0, 1, 3).reshape(s, b, h)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.linear_qkv = nn.Linear(hidden, 3 * hidden)
+        self.core_attention = CoreAttention(heads)
+        self.linear_proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_proj(self.core_attention(self.linear_qkv(x)))
+
+
+class GeLU(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.linear_fc1 = nn.Linear(hidden, ffn)
+        self.activation = GeLU()
+        self.linear_fc2 = nn.Linear(ffn, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(self.activation(self.linear_fc1(x)))
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, hidden: int, heads: int, ffn: int) -> None:
+        super().__init__()
+        self.input_layernorm = nn.LayerNorm(hidden)
+        self.self_attention = SelfAttention(hidden, heads)
+        self.pre_mlp_layernorm = nn.LayerNorm(hidden)
+        self.mlp = MLP(hidden, ffn)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attention(self.input_layernorm(x))
+        return x + self.mlp(self.pre_mlp_layernorm(x))
+
+
+class GPTLayerStack(nn.Module):
+    """``layers`` decoder layers on ``[seq, batch, hidden]`` activations, plus a final norm."""
+
+    def __init__(self, hidden: int, heads: int, layers: int, ffn: int | None = None) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(TransformerLayer(hidden, heads, ffn or 4 * hidden) for _ in range(layers))
+        self.final_layernorm = nn.LayerNorm(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.final_layernorm(x)
+
+
+def build_gpt(
+    hidden: int, heads: int, layers: int, ffn: int | None = None,
+    dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0,
+) -> GPTLayerStack:
+    """A `GPTLayerStack` with weights drawn from ``seed``."""
+    torch.manual_seed(seed)
+    return GPTLayerStack(hidden, heads, layers, ffn).to(device=device, dtype=dtype)
+
+
+def train_step(model: nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One forward and backward; returns the output and a copy of every gradient (input too).
+
+    Gradients are zeroed in place, not freed: like the persistent gradient buffers of real
+    trainers (DDP buckets, Megatron's grad buffer), so that a step's memory peak reflects
+    activations and not gradients allocated afresh during backward.
+    """
+    model.zero_grad(set_to_none=False)
+    x = x.detach().requires_grad_(True)
+    out = model(x)
+    out.backward(grad_out)
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    grads["<input>"] = x.grad.detach().clone()
+    return out.detach(), grads
+
+
+def first_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> str | None:
+    """``None`` if every tensor is bitwise equal, else a description of the first that is not."""
+    if a.keys() != b.keys():
+        return f"different keys: {sorted(set(a) ^ set(b))}"
+    for name in a:
+        x, y = a[name], b[name]
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return f"{name}: {x.shape}/{x.dtype} vs {y.shape}/{y.dtype}"
+        if not torch.equal(x.view(torch.uint8) if x.dtype == torch.bool else x, y):
+            diff = (x.float() - y.float()).abs().max().item()
+            return f"{name}: max abs difference {diff:g}"
+    return None
+
+
+def saved_bytes_by_name(model: nn.Module, mapping: dict[str, str], run: Callable[[], None]) -> dict[str, int]:
+    """Bytes that autograd saves inside each mapped module during ``run()`` (no offloading):
+    the upper bound of what offloading those modules can move."""
+    import fnmatch
+
+    totals: dict[str, int] = {name: 0 for name in mapping}
+    hooks = []
+    current: list[str] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if current:
+            totals[current[-1]] += t.numel() * t.element_size()
+        return t
+
+    for qn, module in model.named_modules():
+        for name, pattern in mapping.items():
+            if qn and fnmatch.fnmatchcase(qn, pattern):
+                hooks.append(module.register_forward_pre_hook(lambda m, a, n=name: current.append(n)))
+                hooks.append(module.register_forward_hook(lambda m, a, o: current.pop(), always_call=True))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return totals
+
+
+def names(mapping: dict[str, str], keys: Iterable[str]) -> dict[str, str]:
+    """The sub-mapping of ``mapping`` for ``keys``."""
+    return {k: mapping[k] for k in keys}

@@ -1,0 +1,178 @@
+"""The engine on a real GPU: streams, events, freed memory. Skipped without CUDA.
+
+Run on the GPU machine with ``python -m pytest -q -m cuda tests``.
+Bitwise comparisons need a reproducible reference: deterministic algorithms and
+``CUBLAS_WORKSPACE_CONFIG`` (set in conftest before CUDA starts); each test first checks the
+reference against itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+
+import offload
+from offload.group import OffloadGroup
+from offload.testing import GPT_MAPPING, build_gpt, first_difference, train_step
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+SPIN_CYCLES = 2_000_000  # about a millisecond of a spinning kernel
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+def _inputs(seed, seq, batch, hidden, dtype):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(seq, batch, hidden, device="cuda", dtype=dtype, generator=g)
+    return x, torch.randn(seq, batch, hidden, device="cuda", dtype=dtype, generator=g)
+
+
+def _slow_side_streams(monkeypatch):
+    """Queue a spinning kernel on the side stream before every offload and every reload, so
+    copies run late: any missing event edge then reads or frees memory too early."""
+    launch_offload, launch_reload = OffloadGroup.launch_offload, OffloadGroup.launch_reload
+
+    def slow_offload(self, streams, pool, timing):
+        with torch.cuda.stream(streams.d2h):
+            torch.cuda._sleep(SPIN_CYCLES)
+        return launch_offload(self, streams, pool, timing)
+
+    def slow_reload(self, streams, timing):
+        with torch.cuda.stream(streams.h2d):
+            torch.cuda._sleep(SPIN_CYCLES)
+        return launch_reload(self, streams, timing)
+
+    monkeypatch.setattr(OffloadGroup, "launch_offload", slow_offload)
+    monkeypatch.setattr(OffloadGroup, "launch_reload", slow_reload)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("variant", ["plain", "slow_copies", "host_ahead"])
+def test_stack_gradients_bitwise_equal(configure, monkeypatch, dtype, variant):
+    hidden, heads, layers, seq, batch = 256, 4, 4, 256, 2
+    model = build_gpt(hidden, heads, layers, dtype=dtype, device="cuda")
+    ref_model = copy.deepcopy(model)
+    x, g = _inputs(0, seq, batch, hidden, dtype)
+    _, ref_a = train_step(ref_model, x, g)
+    _, ref_b = train_step(ref_model, x, g)
+    assert first_difference(ref_a, ref_b) is None, "the reference itself is not reproducible"
+
+    configure(list(GPT_MAPPING), min_tensor_bytes=1024, max_inflight_groups=2)
+    offload.attach(model, GPT_MAPPING)
+    if variant == "slow_copies":
+        _slow_side_streams(monkeypatch)
+    for it in range(20):
+        x, g = _inputs(it + 1, seq, batch, hidden, dtype)
+        ref_out, ref = train_step(ref_model, x, g)
+        if variant == "host_ahead":
+            torch.cuda._sleep(50 * SPIN_CYCLES)  # the GPU lags: every decision is made ahead of it
+        out, got = train_step(model, x, g)
+        assert torch.equal(out, ref_out), f"iteration {it}: outputs differ"
+        diff = first_difference(ref, got)
+        assert diff is None, f"iteration {it}: {diff}"
+        stats = offload.end_iteration()
+        assert stats.total().bytes_offloaded > 0
+        assert stats.total().groups_kept == len(GPT_MAPPING)
+
+
+def test_pipeline_order_with_slow_copies(configure, monkeypatch):
+    """Two chunks' forwards before their backwards (nothing kept), with late copies."""
+    hidden, heads, layers, seq, batch = 256, 4, 3, 256, 2
+    model = build_gpt(hidden, heads, layers, device="cuda")
+    ref_model = copy.deepcopy(model)
+    configure(list(GPT_MAPPING), min_tensor_bytes=1024)
+    offload.attach(model, GPT_MAPPING)
+    _slow_side_streams(monkeypatch)
+    for it in range(5):
+        data = [_inputs(10 * it + mb, seq, batch, hidden, torch.float32) for mb in range(3)]
+        for m in (ref_model, model):
+            m.zero_grad(set_to_none=True)
+            outs = [m(x) for x, _ in data]
+            for out, (_, g) in zip(outs, data):
+                out.backward(g)
+        ref = {n: p.grad for n, p in ref_model.named_parameters()}
+        got = {n: p.grad for n, p in model.named_parameters()}
+        assert first_difference(ref, got) is None, f"iteration {it}"
+        stats = offload.end_iteration()
+        assert stats.total().groups_kept == 0 and stats.handlers == 3
+
+
+def test_peak_memory_falls_by_the_offloaded_bytes(configure):
+    hidden, heads, layers, seq, batch = 1024, 8, 6, 2048, 1
+    model = build_gpt(hidden, heads, layers, dtype=torch.bfloat16, device="cuda")
+    x, g = _inputs(0, seq, batch, hidden, torch.bfloat16)
+
+    def peak_of_steps(n):
+        for _ in range(2):
+            train_step(model, x, g)  # warm-up: cuBLAS workspace, pinned pool
+            offload.end_iteration()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        stats = None
+        for _ in range(n):
+            train_step(model, x, g)
+            stats = offload.end_iteration()
+        return torch.cuda.max_memory_allocated(), stats
+
+    train_step(model, x, g)  # gradients exist from here on, in both measurements
+    configure([])
+    peak_none, _ = peak_of_steps(2)
+    configure(list(GPT_MAPPING))
+    handle = offload.attach(model, GPT_MAPPING)
+    peak_off, stats = peak_of_steps(2)
+    handle.remove()
+    offloaded = stats.total().bytes_offloaded
+    removed = peak_none - peak_off
+    print(f"peak without {peak_none / 2**20:.1f} MiB, with {peak_off / 2**20:.1f} MiB, "
+          f"removed {removed / 2**20:.1f} MiB of {offloaded / 2**20:.1f} MiB offloaded "
+          f"({100 * removed / offloaded:.1f}%)")
+    assert offloaded > 0
+    assert removed >= 0.9 * offloaded
+
+
+def test_no_growth_over_200_iterations(configure):
+    hidden, heads, layers, seq, batch = 256, 4, 3, 256, 2
+    model = build_gpt(hidden, heads, layers, device="cuda")
+    configure(list(GPT_MAPPING), min_tensor_bytes=1024)
+    offload.attach(model, GPT_MAPPING)
+    manager = offload.get_manager()
+    allocated, pinned, allocations = [], [], []
+    for it in range(200):
+        x, g = _inputs(it, seq, batch, hidden, torch.float32)
+        train_step(model, x, g)
+        stats = offload.end_iteration()
+        gc.collect()
+        allocated.append(torch.cuda.memory_allocated())
+        pinned.append(stats.pinned_bytes)
+        allocations.append(stats.pinned_allocations)
+    assert allocations[1] == allocations[-1], f"pinned allocations after iteration 2: {allocations[1]} -> {allocations[-1]}"
+    assert pinned[1] == pinned[-1]
+    assert allocated[5] == allocated[-1], f"GPU memory grew: {allocated[5]} -> {allocated[-1]}"
+    assert manager.live_handlers == [] and manager.pool.bytes_in_use == 0
+    assert all(buf.tensor.is_pinned() for buf in manager.pool._all)
+
+
+def test_timing_statistics_are_plausible(configure):
+    hidden, heads, layers, seq, batch = 1024, 8, 4, 2048, 1
+    model = build_gpt(hidden, heads, layers, dtype=torch.bfloat16, device="cuda")
+    configure(["fc1", "mlp_act", "fc2"], timing=True)
+    offload.attach(model, GPT_MAPPING)
+    x, g = _inputs(0, seq, batch, hidden, torch.bfloat16)
+    for _ in range(3):
+        train_step(model, x, g)
+        stats = offload.end_iteration()
+    total = stats.total()
+    assert total.d2h_ms > 0 and total.h2d_ms > 0
+    d2h = total.bytes_offloaded / total.d2h_ms / 1e6
+    h2d = total.bytes_reloaded / total.h2d_ms / 1e6
+    print(f"achieved D2H {d2h:.1f} GB/s, H2D {h2d:.1f} GB/s")
+    assert 1 < d2h < 1000 and 1 < h2d < 1000

@@ -1,0 +1,362 @@
+"""Engine behaviour on the CPU fallback: gradients, the last-layer rule, prefetch, lifetimes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import offload
+from offload.testing import GPT_MAPPING, build_gpt, first_difference, train_step
+
+
+def _data(seed, *shape):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+
+
+@pytest.mark.parametrize("modules", [["core_attn"], ["qkv_linear", "core_attn", "attn_proj"], list(GPT_MAPPING)])
+def test_gpt_stack_gradients_bitwise_equal(configure, modules):
+    model = build_gpt(64, 4, 3)
+    ref_model = copy.deepcopy(model)
+    configure(modules)
+    offload.attach(model, GPT_MAPPING)
+    for it in range(4):
+        x, g = _data(it, 16, 2, 64)
+        ref_out, ref = train_step(ref_model, x, g)
+        out, got = train_step(model, x, g)
+        assert torch.equal(out, ref_out)
+        assert first_difference(ref, got) is None
+        stats = offload.end_iteration()
+        for name in modules:
+            s = stats.by_name[name]
+            assert s.groups == 3 and s.groups_kept == 1
+            assert s.groups_offloaded == 2 or (name == "attn_proj" and s.bytes_reloaded > 0)
+    assert offload.get_manager().live_handlers == []
+
+
+def test_mlp_context_manager_gradients_equal(configure):
+    torch.manual_seed(0)
+    lins = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+    ref = copy.deepcopy(lins)
+
+    def run(layers, use_groups):
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        h = x
+        for i, lin in enumerate(layers):
+            if use_groups:
+                with offload.group("fc", h) as h_in:
+                    h = F.relu(lin(h_in))
+            else:
+                h = F.relu(lin(h))
+        h.square().sum().backward()
+        return [p.grad.clone() for p in layers.parameters()] + [x.grad.clone()]
+
+    configure(["fc"])
+    a, b = run(ref, False), run(lins, True)
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+    stats = offload.end_iteration().by_name["fc"]
+    # The first group saves only its input (a leaf: not offloaded) and relu's output, which the
+    # second group saves too and so owns; the last group is kept with the storage it shares.
+    assert (stats.groups, stats.groups_offloaded, stats.groups_kept) == (4, 2, 1)
+    # every offloaded group was prefetched by the backward of the group after it
+    assert stats.reloads_prefetched == 2 and stats.reloads_on_demand == 0
+
+
+def test_group_without_inputs_reloads_on_demand(configure):
+    configure(["blk"])
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(4, 16)
+    h = x
+    for _ in range(3):
+        with offload.group("blk"):
+            h = torch.tanh(h @ w)
+    h.sum().backward()
+    grad = w.grad.clone()
+    w.grad = None
+    h = x
+    for _ in range(3):
+        h = torch.tanh(h @ w)
+    h.sum().backward()
+    assert torch.equal(grad, w.grad)
+    s = offload.end_iteration().by_name["blk"]
+    assert s.groups_offloaded == 2 and s.reloads_on_demand == 2 and s.reloads_prefetched == 0
+
+
+def test_attention_block_views_share_one_record(configure):
+    """q, k, v are views of one qkv storage: offloaded once, rebuilt as views."""
+    model = build_gpt(32, 4, 2)
+    ref_model = copy.deepcopy(model)
+    configure(["core_attn"])
+    offload.attach(model, {"core_attn": GPT_MAPPING["core_attn"]})
+    x, g = _data(0, 8, 2, 32)
+    _, ref = train_step(ref_model, x, g)
+    _, got = train_step(model, x, g)
+    assert first_difference(ref, got) is None
+    s = offload.end_iteration().by_name["core_attn"]
+    # per layer: one record for the qkv storage that q, k and v view, plus SDPA's own outputs
+    assert s.groups_offloaded == 1
+    assert s.bytes_offloaded >= 8 * 2 * 96 * 4
+    assert offload.get_manager().live_handlers == []
+
+
+def test_tensor_saved_twice_is_copied_once(configure):
+    configure(["sq"])
+    x = torch.randn(64, requires_grad=True)
+    y = x * 2
+    with offload.group("sq", y) as y_in:
+        z = y_in * y_in  # mul saves y_in twice
+    with offload.group("sq", z) as z_in:  # a second group so that the first one is offloaded
+        out = z_in.sin()
+    out.sum().backward()
+    s = offload.end_iteration().by_name["sq"]
+    assert s.groups_offloaded == 1
+    assert s.tensors_offloaded == 1 and s.bytes_offloaded == 64 * 4
+    torch.testing.assert_close(x.grad, (torch.cos((x * 2) ** 2) * 2 * (x * 2) * 2).detach(), rtol=0, atol=0)
+
+
+def test_small_view_of_big_storage_copies_only_its_span(configure):
+    configure(["v"])
+    big = torch.randn(1000) * 1  # non-leaf
+    a = torch.randn(10, requires_grad=True)
+    with offload.group("v", a) as a_in:
+        piece = big[100:110]
+        out = (a_in * piece).sum()  # saves `piece`, a 10-element view of a 1000-element storage
+    with offload.group("v", out) as o:
+        out2 = o * 1.0
+    out2.backward()
+    s = offload.end_iteration().by_name["v"]
+    assert s.bytes_offloaded == 10 * 4  # the span of `piece`, not all of `big`
+    assert torch.equal(a.grad, big[100:110])
+
+
+def test_address_reused_after_free_is_not_deduplicated(configure):
+    """A storage freed after its copy and a new one at the same address must not share a record."""
+    configure(["g"])
+    w = torch.randn(256, requires_grad=True)
+    results = []
+    handles = []
+    for i in range(2):
+        t = torch.full((256,), float(i + 1))  # same size: the CPU allocator likely reuses the address
+        with offload.group("g", w) as w_in:
+            out = (w_in * t).sum()
+        with offload.group("g", out) as o:
+            results.append(o * 1.0)
+        handles.append(t.untyped_storage().data_ptr())
+        del t
+    sum(results).backward()
+    assert torch.equal(w.grad, torch.full((256,), 3.0))
+
+
+def test_pipeline_like_order_offloads_last_group(configure):
+    """F0 F1 B0 B1: no chunk's backward follows its own forward, so nothing is kept."""
+    model = build_gpt(32, 4, 2)
+    ref_model = copy.deepcopy(model)
+    configure(["core_attn", "fc1"])
+    offload.attach(model, GPT_MAPPING)
+    xs = [_data(i, 8, 2, 32) for i in range(2)]
+    ref_outs = [ref_model(x.requires_grad_()) for x, _ in xs]
+    for out, (_, g) in zip(ref_outs, xs):
+        out.backward(g)
+    ref = {n: p.grad.clone() for n, p in ref_model.named_parameters()}
+    outs = [model(x) for x, _ in xs]
+    for out, (_, g) in zip(outs, xs):
+        out.backward(g)
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert first_difference(ref, got) is None
+    stats = offload.end_iteration()
+    assert stats.handlers == 2
+    for name in ("core_attn", "fc1"):
+        assert stats.by_name[name].groups_kept == 0
+        assert stats.by_name[name].groups_offloaded == 4
+
+
+def test_gradient_accumulation_keeps_last_group_of_each_microbatch(configure):
+    model = build_gpt(32, 4, 3)
+    configure(["fc1"])
+    offload.attach(model, GPT_MAPPING)
+    for mb in range(3):
+        x, g = _data(mb, 8, 2, 32)
+        model(x).backward(g)
+    stats = offload.end_iteration()
+    assert stats.handlers == 3
+    assert stats.by_name["fc1"].groups_kept == 3 and stats.by_name["fc1"].groups_offloaded == 6
+
+
+def test_retain_graph_second_backward(configure):
+    model = build_gpt(32, 4, 2)
+    ref_model = copy.deepcopy(model)
+    configure(list(GPT_MAPPING))
+    offload.attach(model, GPT_MAPPING)
+    x, g = _data(0, 8, 2, 32)
+    for m in (ref_model, model):
+        out = m(x)
+        out.backward(g, retain_graph=True)
+        out.backward(g)
+    ref = {n: p.grad for n, p in ref_model.named_parameters()}
+    got = {n: p.grad for n, p in model.named_parameters()}
+    assert first_difference(ref, got) is None
+    offload.end_iteration()
+    assert offload.get_manager().live_handlers == []
+
+
+def test_backward_twice_without_retain_graph_raises(configure):
+    model = build_gpt(32, 4, 2)
+    configure(list(GPT_MAPPING))
+    offload.attach(model, GPT_MAPPING)
+    x, g = _data(0, 8, 2, 32)
+    out = model(x)
+    out.backward(g)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        out.backward(g)
+
+
+def test_forward_only_and_no_grad_passes_disturb_nothing(configure):
+    model = build_gpt(32, 4, 3)
+    ref_model = copy.deepcopy(model)
+    configure(list(GPT_MAPPING))
+    offload.attach(model, GPT_MAPPING)
+    x, g = _data(0, 8, 2, 32)
+    _, ref = train_step(ref_model, x, g)
+    # evaluation under no_grad between forward and backward: no group opens
+    model.zero_grad(set_to_none=True)
+    xi = x.detach().requires_grad_()
+    out = model(xi)
+    with torch.no_grad():
+        model(x)
+    out.backward(g)
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    got["<input>"] = xi.grad
+    assert first_difference(ref, got) is None
+    stats = offload.end_iteration()
+    assert stats.by_name["fc1"].groups_kept == 1
+    # a forward with grad enabled whose graph is dropped leaves nothing behind
+    model(x).sum()
+    offload.end_iteration()
+    manager = offload.get_manager()
+    assert manager.live_handlers == [] and manager.pool.bytes_in_use == 0
+    _, again = train_step(model, x, g)
+    assert first_difference(ref, again) is None
+
+
+def test_exception_inside_forward_leaves_engine_usable(configure):
+    model = build_gpt(32, 4, 2)
+    ref_model = copy.deepcopy(model)
+    configure(list(GPT_MAPPING))
+    offload.attach(model, GPT_MAPPING)
+    x, g = _data(0, 8, 2, 32)
+
+    def boom(mod, args):
+        raise ValueError("boom")
+
+    h = model.layers[1].mlp.linear_fc1.register_forward_pre_hook(boom)
+    with pytest.raises(ValueError, match="boom"):
+        model(x)
+    h.remove()
+    manager = offload.get_manager()
+    assert manager._open == [] and manager._names_open == []
+    _, ref = train_step(ref_model, x, g)
+    _, got = train_step(model, x, g)
+    assert first_difference(ref, got) is None
+    offload.end_iteration()
+    assert manager.live_handlers == [] and manager.pool.bytes_in_use == 0
+
+
+def test_steady_state_allocates_no_pinned_memory(configure):
+    model = build_gpt(32, 4, 3)
+    configure(list(GPT_MAPPING))
+    offload.attach(model, GPT_MAPPING)
+    allocations = []
+    for it in range(6):
+        x, g = _data(it, 8, 2, 32)
+        train_step(model, x, g)
+        allocations.append(offload.end_iteration().pinned_allocations)
+    assert allocations[0] > 0 and len(set(allocations[1:])) == 1 and allocations[1] == allocations[0]
+    assert offload.get_manager().pool.bytes_in_use == 0
+
+
+def test_nested_groups_of_different_names(configure):
+    configure(["outer", "inner"])
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(4, 16)
+    with offload.group("outer", w) as w1:
+        a = torch.tanh(x @ w1)
+        with offload.group("inner", a) as a1:
+            b = torch.sigmoid(a1 @ w1)
+        c = torch.sin(b)
+    with offload.group("outer", c) as c1:
+        with offload.group("inner", c1) as c2:
+            d = c2.exp()
+    d.sum().backward()
+    grad = w.grad.clone()
+    w.grad = None
+    ((torch.sin(torch.sigmoid(torch.tanh(x @ w) @ w))).exp()).sum().backward()
+    assert torch.equal(grad, w.grad)
+    stats = offload.end_iteration().by_name
+    assert stats["outer"].groups == 2 and stats["inner"].groups == 2
+
+
+def test_disabled_name_runs_untouched(configure):
+    configure(["core_attn"])
+    offload.get_manager().declare_names(["core_attn"])
+    x = torch.randn(4, requires_grad=True)
+    with offload.group("fc1", x) as y:
+        assert y is x  # not enabled: inputs pass through, no marker
+        z = (y * 2).sin()
+    z.sum().backward()
+    assert offload.end_iteration().by_name == {}
+
+
+def test_begin_chunk_numbers_microbatches(configure):
+    configure(["a"])
+    labels = []
+    import offload.nvtx as nv
+
+    real = nv.push
+    nv.push = lambda m: labels.append(m)
+    try:
+        w = torch.randn(8, requires_grad=True)
+        for mb in range(2):
+            offload.begin_chunk(chunk_id=1)
+            h = w
+            for _ in range(2):
+                with offload.group("a", h) as hin:
+                    h = hin.sin() * 1
+            h.sum().backward()
+    finally:
+        nv.push = real
+    assert labels == [
+        "offload/a/L0/c1/mb0", "offload/a/L0/c1/mb1",
+    ]
+
+
+def test_non_reentrant_checkpoint_around_groups(configure):
+    """Groups inside a checkpointed function: gradients equal; a recompute running inside
+    backward opens no group (what it saves is needed at once)."""
+    from torch.utils.checkpoint import checkpoint
+
+    configure(["g"])
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def f(h):
+        with offload.group("g", h) as h1:
+            return torch.tanh(h1 @ w)
+
+    def run(use_ckpt):
+        w.grad = x.grad = None
+        h = x
+        for _ in range(3):
+            h = checkpoint(f, h, use_reentrant=False) if use_ckpt else f(h)
+        h.sum().backward()
+        return w.grad.clone(), x.grad.clone()
+
+    ref = run(False)
+    offload.end_iteration()
+    got = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    stats = offload.end_iteration().by_name["g"]
+    assert stats.groups == 3

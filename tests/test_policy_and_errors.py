@@ -1,0 +1,262 @@
+"""The tensor policy, clear errors for bad input, the pinned pool, statistics and NVTX names."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from offload.config import OffloadConfig, parse_module_list
+from offload.pinned_pool import PinnedHostPool, size_class
+from offload.policy import TensorPolicy
+from offload.testing import GPT_MAPPING, build_gpt, first_difference, train_step
+
+
+# ---------------------------------------------------------------- policy
+def _policy(min_bytes=0):
+    return TensorPolicy(lambda t: t.device.type == "cpu", min_bytes)
+
+
+def test_policy_rejects_parameters_and_their_views():
+    lin = nn.Linear(4, 4)
+    p = _policy()
+    assert not p.eligible(lin.weight)
+    assert not p.eligible(lin.weight.t())  # a view of a parameter is not an nn.Parameter
+    with torch.no_grad():
+        view = lin.weight.view(16)  # made without autograd: caught by the storage registry
+    p.block_parameters(lin.parameters())
+    assert not p.eligible(view)
+
+
+def test_policy_rejects_leaf_inputs_small_and_foreign_tensors():
+    p = _policy(min_bytes=64)
+    x = torch.randn(100, requires_grad=True)
+    assert not p.eligible(x)  # a user leaf: someone else holds it
+    y = x * 2
+    assert p.eligible(y)
+    assert not p.eligible(y[:10])  # 40 bytes < 64
+    other = TensorPolicy(lambda t: False, 0)  # tensors of another device
+    assert not other.eligible(y)
+    assert not p.eligible(torch.randn(100).to_sparse())
+
+
+def test_policy_rejects_subclasses():
+    class Sub(torch.Tensor):
+        pass
+
+    t = (torch.randn(100) * 2).as_subclass(Sub)
+    assert not _policy().eligible(t)
+
+
+def test_never_offload_mark_and_region(configure):
+    configure(["g"])
+    w = torch.randn(32, requires_grad=True)
+    a = torch.randn(32) * 2  # saved by the products below (they need them for w's gradient)
+    b = torch.randn(32) * 3
+    offload.mark_not_offload(a)
+    with offload.group("g", w) as w1:
+        y = (a.view(4, 8) * w1.view(4, 8)).sum()  # `a` (through a view) is marked
+        with offload.never_offload():
+            z = (b * w1).sum()
+    with offload.group("g", y + z) as yz:
+        out = yz * 1.0
+    out.backward()
+    s = offload.end_iteration().by_name["g"]
+    assert s.bytes_offloaded == 0
+    assert torch.equal(w.grad, a + b)
+
+
+def test_min_tensor_bytes_keeps_small_tensors(configure):
+    model = build_gpt(32, 4, 2)
+    configure(list(GPT_MAPPING), min_tensor_bytes=1 << 30)
+    offload.attach(model, GPT_MAPPING)
+    x = torch.randn(8, 2, 32)
+    model(x).sum().backward()
+    assert offload.end_iteration().total().bytes_offloaded == 0
+
+
+# ---------------------------------------------------------------- errors
+def test_misspelled_name_at_attach_lists_valid_names(configure):
+    configure(["core_atn"])
+    with pytest.raises(offload.UnknownModuleError, match=r"'core_atn' \(did you mean 'core_attn'\?\).*valid names: .*core_attn"):
+        offload.attach(build_gpt(32, 4, 1), GPT_MAPPING)
+
+
+def test_name_missing_from_model_is_an_error(configure):
+    configure(["expert_fc1"])
+    with pytest.raises(offload.UnknownModuleError, match="expert_fc1"):
+        offload.attach(build_gpt(32, 4, 1), GPT_MAPPING)
+
+
+def test_pattern_matching_nothing_is_an_error(configure):
+    configure(["core_attn"])
+    with pytest.raises(offload.UnknownModuleError, match="matches no submodule.*close module paths"):
+        offload.attach(build_gpt(32, 4, 1), {"core_attn": "layers.*.self_attn.core_attention"})
+
+
+def test_module_matched_by_two_names_is_an_error(configure):
+    configure(["a"])
+    with pytest.raises(offload.OffloadError, match="matched by both"):
+        offload.attach(build_gpt(32, 4, 1), {"a": "layers.0.mlp.*", "b": "layers.0.mlp.linear_fc1"})
+
+
+def test_misspelled_name_with_context_manager_raises_at_end_of_iteration(configure):
+    configure(["core_atn"])
+    x = torch.randn(8, requires_grad=True)
+    with offload.group("core_attn", x) as y:
+        z = y.sin()
+    z.sum().backward()
+    with pytest.raises(offload.UnknownModuleError, match="did you mean 'core_attn'"):
+        offload.end_iteration()
+
+
+def test_group_inside_group_of_same_name_raises(configure):
+    configure(["g"])
+    x = torch.randn(8, requires_grad=True)
+    with pytest.raises(offload.OffloadError, match="same name"):
+        with offload.group("g", x):
+            with offload.group("g"):
+                pass
+    # and the engine is usable afterwards
+    with offload.group("g", x) as y:
+        z = y.exp()
+    z.sum().backward()
+    assert torch.equal(x.grad, x.exp().detach())
+
+
+@pytest.mark.parametrize("when", ["inside_group", "after_group"])
+def test_in_place_change_of_offloaded_tensor_raises(configure, when):
+    configure(["g"])
+    w = torch.randn(64, requires_grad=True)
+    h = w * 1.0
+    with offload.group("g", h) as h1:
+        a = h1.exp()  # exp saves its output `a`
+        if when == "inside_group":
+            a.add_(1)
+    with offload.group("g", a) as a1:  # so the first group is offloaded
+        b = a1 * 2.0
+    if when == "after_group":
+        a.add_(1)
+    with pytest.raises(offload.SavedTensorModifiedError, match="modified by an inplace operation"):
+        b.sum().backward()
+
+
+def test_in_place_change_of_kept_small_tensor_raises(configure):
+    configure(["g"], min_tensor_bytes=1 << 20)  # everything is too small: kept, still checked
+    w = torch.randn(8, requires_grad=True)
+    with offload.group("g", w * 1.0) as h:
+        a = h.exp()
+    a.add_(1)
+    with pytest.raises(offload.SavedTensorModifiedError, match="is at version 1; expected version 0"):
+        a.sum().backward()
+
+
+def test_pinned_allocation_failure_keeps_tensors_on_device(configure):
+    model = build_gpt(32, 4, 3)
+    ref_model = copy.deepcopy(model)
+    configure(list(GPT_MAPPING), max_pinned_bytes=0)
+    offload.attach(model, GPT_MAPPING)
+    x, g = torch.randn(8, 2, 32), torch.randn(8, 2, 32)
+    _, ref = train_step(ref_model, x, g)
+    with pytest.warns(RuntimeWarning, match="cap of 0 bytes.*said once"):
+        _, got = train_step(model, x, g)
+    assert first_difference(ref, got) is None
+    stats = offload.end_iteration()
+    assert stats.total().bytes_offloaded == 0 and stats.pinned_failures > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once: no second warning
+        train_step(model, x, g)
+
+
+def test_bad_config_values():
+    with pytest.raises(ValueError, match="min_tensor_bytes"):
+        OffloadConfig(min_tensor_bytes=-1)
+    with pytest.raises(ValueError, match="max_inflight_groups"):
+        OffloadConfig(max_inflight_groups=0)
+    with pytest.raises(ValueError, match="not a valid module name"):
+        OffloadConfig(modules="core attn,1fc")
+    with pytest.raises(TypeError):
+        parse_module_list([3])
+
+
+def test_parse_module_list_forms():
+    assert parse_module_list("core_attn,expert_fc1") == ("core_attn", "expert_fc1")
+    assert parse_module_list("core_attn expert_fc1") == ("core_attn", "expert_fc1")
+    assert parse_module_list(["core_attn", "expert_fc1,core_attn"]) == ("core_attn", "expert_fc1")
+    assert parse_module_list(" , ") == ()
+
+
+def test_cpu_fallback_says_once_that_it_saves_nothing():
+    with pytest.warns(RuntimeWarning, match="saves no memory"):
+        offload.configure(["core_attn"], device="cpu")
+
+
+def test_begin_chunk_inside_group_raises(configure):
+    configure(["g"])
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(offload.OffloadError, match="inside the open group"):
+        with offload.group("g", x):
+            offload.begin_chunk()
+
+
+# ---------------------------------------------------------------- pool
+def test_size_class_bounds_waste():
+    for n in [1, 4095, 4096, 4097, 10**6, 3 * 2**20 + 5, 10**9 + 7]:
+        c = size_class(n)
+        assert c >= n and c % 4096 == 0
+        if n > 4096:
+            assert c <= n * (1 + 1 / 32) + 4096
+
+
+def test_pool_reuses_buffers():
+    pool = PinnedHostPool(pin=False)
+    a = pool.acquire(10_000)
+    pool.release(a, last_read="ev")
+    b = pool.acquire(9_999)
+    assert b is a and b.last_read == "ev" and pool.allocations == 1
+    c = pool.acquire(10_000)
+    assert c is not a and pool.allocations == 2
+    assert pool.bytes_in_use == 2 * size_class(10_000) and pool.peak_bytes_in_use == pool.bytes_in_use
+    pool.close()
+    assert pool.bytes_total == 0
+
+
+def test_pool_refuses_to_allocate_during_capture():
+    pool = PinnedHostPool(pin=False)
+    with pytest.warns(RuntimeWarning, match="captured"):
+        assert pool.acquire(100, capturing=True) is None
+
+
+# ---------------------------------------------------------------- stats and nvtx
+def test_stats_per_name(configure):
+    model = build_gpt(32, 4, 3)
+    configure(["core_attn", "fc1"])
+    offload.attach(model, GPT_MAPPING)
+    x = torch.randn(8, 2, 32)
+    model(x).sum().backward()
+    stats = offload.end_iteration()
+    assert set(stats.by_name) == {"core_attn", "fc1"}
+    fc1 = stats.by_name["fc1"]
+    # fc1 saves its input, [8, 2, 32] fp32, in each of the two offloaded layers
+    assert fc1.bytes_offloaded == 2 * 8 * 2 * 32 * 4 == fc1.bytes_reloaded
+    assert stats.pinned_bytes >= stats.total().bytes_offloaded
+    assert stats.iteration == 0 and offload.end_iteration().iteration == 1
+    d = stats.as_dict()
+    assert d["by_name"]["fc1"]["bytes_offloaded"] == fc1.bytes_offloaded and "d2h_gbps" in d["by_name"]["fc1"]
+
+
+def test_nvtx_ranges_named_after_group_layer_and_microbatch(configure, monkeypatch):
+    import offload.nvtx as nv
+
+    names = []
+    monkeypatch.setattr(nv, "push", names.append)
+    model = build_gpt(32, 4, 2)
+    configure(["fc1"])
+    offload.attach(model, GPT_MAPPING)
+    for _ in range(2):
+        model(torch.randn(8, 2, 32)).sum().backward()
+    assert names == ["offload/fc1/L0/mb0", "reload/fc1/L0/mb0", "offload/fc1/L0/mb1", "reload/fc1/L0/mb1"]
