@@ -58,7 +58,7 @@ def configure(
     modules: str | Iterable[str] = (),
     *,
     min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES,
-    max_inflight_groups: int = 2,
+    max_inflight_groups: int = 1,
     max_pinned_bytes: int | None = None,
     timing: bool = True,
     device: torch.device | str | None = None,

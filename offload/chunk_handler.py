@@ -86,10 +86,16 @@ class ChunkOffloadHandler:
                     return rec
         else:
             records = self._records[key] = []
-        rec = TensorRecord(group, t, start, numel, version)
+        rec = TensorRecord(group, t, ptr, start, numel, version)
         records.append(rec)
         group.records.append(rec)
         return rec
+
+    def live_aliases(self, ptr: int) -> int:
+        """How many of our records still hold the storage at ``ptr`` (each holds one alias)."""
+        return sum(
+            1 for (p, _), records in self._records.items() if p == ptr for rec in records if rec.src is not None
+        )
 
     @staticmethod
     def _share(rec: TensorRecord, group: OffloadGroup) -> None:

@@ -71,7 +71,11 @@ class OffloadConfig:
         max_inflight_groups: at most this many groups may have device-to-host copies in flight
             whose GPU memory is still held; past it the compute stream waits (on the GPU, never
             the host) for the oldest copy, so the memory bound holds even when the host runs far
-            ahead of the GPU.
+            ahead of the GPU. A group's copy starts about a layer after its forward and, with 1,
+            must end before the next group's copy starts: when the host runs ahead of the GPU
+            that leaves the copy about a layer of compute. Raise it when the host is the
+            bottleneck and several names are offloaded per layer (waits show up as
+            ``offload_wait_ms``); each extra group in flight costs its bytes at the peak.
         max_pinned_bytes: a cap on the pinned host pool; past it tensors stay on the GPU (with
             one warning). ``None`` means no cap.
         timing: record CUDA events around copies and waits so that statistics report copy
@@ -80,7 +84,7 @@ class OffloadConfig:
 
     modules: tuple[str, ...] = ()
     min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES
-    max_inflight_groups: int = 2
+    max_inflight_groups: int = 1
     max_pinned_bytes: int | None = None
     timing: bool = True
     enabled: frozenset = field(init=False, repr=False, compare=False)

@@ -60,12 +60,13 @@ class TensorRecord:
     """
 
     __slots__ = (
-        "group", "src", "src_ref", "start", "numel", "dtype", "version", "nbytes",
+        "group", "ptr", "src", "src_ref", "start", "numel", "dtype", "version", "nbytes",
         "host", "dev", "reload_group", "last_read", "handles", "alive", "unpacked", "modified",
     )
 
-    def __init__(self, group: "OffloadGroup", src: torch.Tensor, start: int, numel: int, version: int) -> None:
+    def __init__(self, group: "OffloadGroup", src: torch.Tensor, ptr: int, start: int, numel: int, version: int) -> None:
         self.group = group
+        self.ptr = ptr
         # A detached alias: same storage and version counter, but no grad_fn. Holding the saved
         # tensor itself would hold its grad_fn, whose graph holds our handle: a cycle through
         # C++ that keeps a dropped graph (a forward without backward) alive forever.
@@ -84,6 +85,12 @@ class TensorRecord:
         self.alive = 0
         self.unpacked = 0
         self.modified = False
+
+    def held_elsewhere(self, our_aliases: int) -> bool:
+        """Whether anything besides our ``our_aliases`` aliases holds the storage (a module
+        that saved it without offloading, a user reference): copying it would free nothing."""
+        storage = self.src.untyped_storage()
+        return torch._C._storage_Use_Count(storage._cdata) - 1 > our_aliases
 
     def source_span(self) -> torch.Tensor:
         return self.src.as_strided((self.numel,), (1,), self.start)
@@ -199,23 +206,29 @@ class OffloadGroup:
         self.waited: set[int] = set()
 
     # -- forward ---------------------------------------------------------------------------
-    def launch_offload(self, streams: Any, pool: Any, timing: bool) -> int:
-        """Queue the D2H copies of this group's live records. Returns the bytes queued.
+    def launch_offload(self, streams: Any, pool: Any, timing: bool) -> tuple[int, int]:
+        """Queue the D2H copies of this group's live records that copying would free.
 
+        Returns (bytes queued, bytes left on the GPU because something else holds them).
         Rule 1: the D2H stream waits on ``ready``, recorded on the compute stream when the
         module's forward finished. A reused pinned buffer is written only after the last
         H2D copy that read it (its ``last_read`` event).
         """
         todo = []
+        shared = 0
         for rec in self.records:
             rec.note_version()
-            if rec.src is not None and rec.alive > 0:
-                rec.host = pool.acquire(rec.nbytes, streams.is_capturing())
-                if rec.host is not None:
-                    todo.append(rec)
+            if rec.src is None or rec.alive == 0:
+                continue
+            if rec.held_elsewhere(self.handler.live_aliases(rec.ptr)):
+                shared += rec.nbytes
+                continue
+            rec.host = pool.acquire(rec.nbytes, streams.is_capturing())
+            if rec.host is not None:
+                todo.append(rec)
         self.state = GroupState.OFFLOADING
         if not todo:
-            return 0
+            return 0, shared
         d2h = streams.d2h
         self.d2h_done = streams.event(timing)
         d2h.wait_event(self.ready)
@@ -232,7 +245,7 @@ class OffloadGroup:
             for rec in todo:
                 rec.host.view(rec.dtype, rec.numel).copy_(rec.source_span(), non_blocking=True)
             self.d2h_done.record(d2h)
-        return sum(rec.nbytes for rec in todo)
+        return sum(rec.nbytes for rec in todo), shared
 
     def release(self) -> None:
         """Drop the GPU references of records whose D2H copy is done (the caller made sure:

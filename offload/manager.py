@@ -314,12 +314,13 @@ class PipelineOffloadManager:
 
     def _launch(self, group: OffloadGroup) -> None:
         nvtx.push("offload/" + group.label)
-        nbytes = group.launch_offload(self.streams, self.pool, self._timing)
+        nbytes, shared = group.launch_offload(self.streams, self.pool, self._timing)
         nvtx.pop()
+        stats = self._stats[group.name]
+        stats.bytes_held_elsewhere += shared
         if nbytes == 0:
             group.state = GroupState.OFFLOADED
             return
-        stats = self._stats[group.name]
         stats.groups_offloaded += 1
         stats.bytes_offloaded += nbytes
         stats.tensors_offloaded += sum(1 for r in group.records if r.host is not None)

@@ -89,6 +89,7 @@ class group:
     def __exit__(self, *exc: Any) -> None:
         self._manager.close_group(self._group, self.name)
         self._group = None
+        self.tensors = ()  # hold no activation past the region
 
 
 class never_offload:

@@ -14,6 +14,9 @@ class GroupStats:
     for device-to-host copies (the in-flight bound), ``reload_wait_ms`` the time it waited
     for host-to-device copies that backward needed. ``reloads_on_demand`` counts reloads that
     backward asked for before anything had prefetched them (their copy could not overlap).
+    ``bytes_held_elsewhere`` are bytes the groups saved that something else still held when
+    their copy was due (typically a module that is not offloaded saved the same tensor):
+    they stay on the GPU, because copying them would free nothing.
     """
 
     groups: int = 0
@@ -22,6 +25,7 @@ class GroupStats:
     tensors_offloaded: int = 0
     bytes_offloaded: int = 0
     bytes_reloaded: int = 0
+    bytes_held_elsewhere: int = 0
     reloads_prefetched: int = 0
     reloads_on_demand: int = 0
     d2h_ms: float = 0.0
