@@ -1,24 +1,43 @@
-"""Host time that offloading adds per group: forward+backward launch time with and without
-offloading, and where it goes (cProfile of the offloading run).
+"""Host time that offloading adds per group, and which engine entry point spends it.
 
     python tools/host_overhead.py --modules core_attn --layers 8
 
-The GPU work is kept tiny (the model is small and the GPU is synchronized after each step),
-so the figures are host cost, not GPU time.
+The GPU work is kept small (a small model; the GPU is synchronized after each step), so the
+figures are host cost. Forward and backward are timed apart, and every engine entry point is
+wrapped with a timer, which also covers the hooks that backward runs on autograd's own thread
+(where a profiler of the main thread does not see them).
 """
 
 from __future__ import annotations
 
 import argparse
-import cProfile
-import pstats
 import statistics
 import time
+from collections import defaultdict
 
 import torch
 
 import offload
+from offload.manager import PipelineOffloadManager
 from offload.testing import GPT_MAPPING, build_gpt
+
+ENTRY_POINTS = ["open_group", "close_group", "_pack", "_unpack", "on_group_backward_done",
+                "_launch", "_reload", "_begin_backward", "_release", "_poll_inflight", "begin_chunk"]
+
+
+def _instrument(totals: dict[str, list[float]]) -> None:
+    for name in ENTRY_POINTS:
+        real = getattr(PipelineOffloadManager, name)
+
+        def timed(self, *a, _real=real, _name=name, **k):
+            t0 = time.perf_counter()
+            try:
+                return _real(self, *a, **k)
+            finally:
+                totals[_name][0] += time.perf_counter() - t0
+                totals[_name][1] += 1
+
+        setattr(PipelineOffloadManager, name, timed)
 
 
 def main() -> None:
@@ -36,35 +55,39 @@ def main() -> None:
     x = torch.randn(args.seq, 1, args.hidden, device=device)
     g = torch.randn_like(x)
 
-    def step() -> float:
+    def step() -> tuple[float, float]:
         t0 = time.perf_counter()
-        model(x).backward(g)
-        host = time.perf_counter() - t0
+        out = model(x)
+        t1 = time.perf_counter()
+        out.backward(g)
+        t2 = time.perf_counter()
         offload.end_iteration()
         if device == "cuda":
             torch.cuda.synchronize()
-        return host
+        return t1 - t0, t2 - t1
 
-    results = {}
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    medians = {}
     for mods in ([], modules):
         offload.configure(mods, min_tensor_bytes=0, timing=args.timing, device=device)
         handle = offload.attach(model, {k: GPT_MAPPING[k] for k in mods}) if mods else None
         for _ in range(5):
             step()
-        results[bool(mods)] = statistics.median(step() for _ in range(args.steps))
         if mods:
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(5):
-                step()
-            prof.disable()
+            _instrument(totals)
+        fwd, bwd = zip(*(step() for _ in range(args.steps)))
+        medians[bool(mods)] = (statistics.median(fwd), statistics.median(bwd))
         if handle:
             handle.remove()
     n_groups = args.layers * len(modules)
-    extra = results[True] - results[False]
-    print(f"host time per step: {results[False] * 1e3:.2f} ms without, {results[True] * 1e3:.2f} ms with "
-          f"offloading {','.join(modules)} ({n_groups} groups): {extra / n_groups * 1e6:.0f} us per group")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+    (f0, b0), (f1, b1) = medians[False], medians[True]
+    print(f"{','.join(modules)}: {n_groups} groups on {device}")
+    print(f"  forward host time  {f0 * 1e3:7.2f} ms -> {f1 * 1e3:7.2f} ms  (+{(f1 - f0) / n_groups * 1e6:.0f} us per group)")
+    print(f"  backward host time {b0 * 1e3:7.2f} ms -> {b1 * 1e3:7.2f} ms  (+{(b1 - b0) / n_groups * 1e6:.0f} us per group)")
+    print("  per step, inside the engine (nested calls are counted in their callers too):")
+    for name, (secs, calls) in sorted(totals.items(), key=lambda kv: -kv[1][0]):
+        print(f"    {name:24} {secs / args.steps * 1e3:7.3f} ms  {calls / args.steps:6.0f} calls  "
+              f"{secs / max(calls, 1) * 1e6:6.1f} us/call")
 
 
 if __name__ == "__main__":
