@@ -158,9 +158,6 @@ class PipelineOffloadManager:
         configured name the model lacks is reported with the list of valid ones."""
         self.declared_names.update(names)
 
-    def check_enabled_names(self, where: str) -> None:
-        check_known(self.config.modules, self.declared_names, where)
-
     # ------------------------------------------------------------------ group boundaries
     def open_group(self, name: str) -> OffloadGroup | None:
         """Start the group ``name``; returns ``None`` when it does not offload (name not
@@ -425,7 +422,10 @@ class PipelineOffloadManager:
         if not self.declared_names:
             return
         self._names_checked = True
-        self.check_enabled_names("the offload config (no group of that name ran this iteration)")
+        check_known(
+            self.config.modules, self.declared_names,
+            "the offload config (no attached module and no group of that name ran this iteration)",
+        )
 
     # ------------------------------------------------------------------ statistics
     def _new_iteration_stats(self) -> None:
@@ -461,3 +461,8 @@ class PipelineOffloadManager:
     @property
     def suppressed(self) -> bool:
         return self._suppress > 0
+
+    @property
+    def in_group(self) -> bool:
+        """Whether a group (enabled or not) is open on this manager."""
+        return bool(self._names_open)

@@ -165,8 +165,9 @@ def attach(
     marker). ``model``'s own forward starts a new chunk/microbatch handler (``chunk_id``).
     The model's parameters are registered as never-offload storages.
 
-    Raises `UnknownModuleError` when a pattern matches nothing or when the config enables a
-    name that ``mapping`` does not provide; `OffloadError` when a module is matched twice.
+    Raises `UnknownModuleError` when a pattern matches nothing, `OffloadError` when a module is
+    matched twice. A configured name that neither ``mapping`` nor any group in the code provides
+    raises `UnknownModuleError` at the end of the first iteration (when every chunk has run).
     """
     manager = PipelineOffloadManager.get()
     qualnames = {qn: m for qn, m in model.named_modules() if qn}
@@ -193,7 +194,6 @@ def attach(
             owner[qn] = name
         matched[name] = sorted(set(hits))
     manager.declare_names(matched)
-    manager.check_enabled_names("the offload config (names attach() was given)")
     manager.policy.block_parameters(model.parameters())
 
     hooks: list[Any] = []
@@ -201,7 +201,9 @@ def attach(
         hooks.extend(_module_hooks(qualnames[qn], name))
 
     def begin(mod: nn.Module, args: tuple) -> None:
-        PipelineOffloadManager.get().begin_chunk(chunk_id)
+        manager = PipelineOffloadManager.get()
+        if not manager.in_group:  # called inside a group: part of the enclosing chunk
+            manager.begin_chunk(chunk_id)
 
     hooks.append(model.register_forward_pre_hook(begin))
     return AttachHandle(hooks, matched)

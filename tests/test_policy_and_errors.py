@@ -80,16 +80,34 @@ def test_min_tensor_bytes_keeps_small_tensors(configure):
 
 
 # ---------------------------------------------------------------- errors
-def test_misspelled_name_at_attach_lists_valid_names(configure):
+def test_misspelled_name_lists_valid_names_after_first_iteration(configure):
     configure(["core_atn"])
+    model = build_gpt(32, 4, 1)
+    offload.attach(model, GPT_MAPPING)
+    model(torch.randn(8, 2, 32)).sum().backward()
     with pytest.raises(offload.UnknownModuleError, match=r"'core_atn' \(did you mean 'core_attn'\?\).*valid names: .*core_attn"):
-        offload.attach(build_gpt(32, 4, 1), GPT_MAPPING)
+        offload.end_iteration()
 
 
 def test_name_missing_from_model_is_an_error(configure):
     configure(["expert_fc1"])
+    model = build_gpt(32, 4, 1)
+    offload.attach(model, GPT_MAPPING)
+    model(torch.randn(8, 2, 32)).sum().backward()
     with pytest.raises(offload.UnknownModuleError, match="expert_fc1"):
-        offload.attach(build_gpt(32, 4, 1), GPT_MAPPING)
+        offload.end_iteration()
+
+
+def test_attach_and_code_groups_together(configure):
+    """Names may come from attach() and from groups in the code at the same time."""
+    configure(["core_attn", "mine"])
+    model = build_gpt(32, 4, 1)
+    offload.attach(model, {"core_attn": GPT_MAPPING["core_attn"]})
+    x = torch.randn(8, 2, 32, requires_grad=True)
+    with offload.group("mine", x) as x1:
+        y = model(x1 * 2.0)
+    y.sum().backward()
+    assert set(offload.end_iteration().by_name) == {"core_attn", "mine"}
 
 
 def test_pattern_matching_nothing_is_an_error(configure):
