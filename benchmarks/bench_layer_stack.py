@@ -1,218 +1,350 @@
-"""GPU benchmark: a GPT-style layer stack with no offloading and with several module sets.
+"""GPU benchmark: a GPT-style layer stack without offloading and with several module sets.
 
-    python benchmarks/bench_layer_stack.py                       # the defaults below
-    python benchmarks/bench_layer_stack.py --seq 4096 --configs none core_attn
+    python benchmarks/bench_layer_stack.py                                  # the defaults below
+    python benchmarks/bench_layer_stack.py --seq 4096 --configs core_attn all
+    python benchmarks/bench_layer_stack.py --device cpu --hidden 64 --heads 4 --layers 2 \\
+        --seq 64 --steps 3 --warmup 1 --out /tmp/bench                      # end-to-end check
 
-Every (configuration, sequence length) runs in its own process, so that memory figures do
-not leak between them. Per run: median step time (CUDA events around forward+backward, after
-warm-up), peak allocated and reserved memory, bytes offloaded per step, achieved D2H and H2D
-bandwidth, compute-stream wait time, pinned host bytes and host time per step. Results go to
-``<out>/layer_stack.json`` (one record per run) and ``<out>/layer_stack.md``.
+Every (configuration, sequence length) runs in a subprocess of its own (this script with the
+hidden ``--worker`` flag), so memory figures do not leak between runs; ``none`` always runs, it
+is the baseline. Results go to ``<out>/layer_stack.json`` and ``<out>/layer_stack.md``;
+benchmarks/README.md explains every column and the targets.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import shlex
 import statistics
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
+from typing import Any, Callable
 
-CONFIGS = {
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a clone, no install
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import offload  # noqa: E402
+from offload.config import DEFAULT_MIN_TENSOR_BYTES  # noqa: E402
+from offload.stats import GroupStats, IterationStats  # noqa: E402
+from offload.testing import GPT_MAPPING, build_gpt, saved_bytes_by_name  # noqa: E402
+
+CONFIGS: dict[str, list[str]] = {
     "none": [],
     "core_attn": ["core_attn"],
     "attn": ["qkv_linear", "core_attn", "attn_proj"],
     "mlp": ["fc1", "mlp_act", "fc2"],
-    "all": ["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "fc1", "mlp_act", "fc2"],
+    "all": list(GPT_MAPPING),
 }
-LINK_GBPS = 50.0  # the bandwidth the targets assume for "fits under compute"
+DEFAULT_CONFIGS = ["none", "core_attn", "attn", "all"]
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+LINK_GBPS = 50.0  # the link bandwidth the time target assumes
+TIME_TARGET_PCT = 2.0  # step time within this of no offloading ...
+MEMORY_TARGET = 0.9  # ... and peak memory lower by this fraction of the offloaded bytes
+TIMING_PASSES = 3  # forward passes timed in the baseline worker
+GIB = 2**30
 
 
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
+def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--seq", type=int, nargs="+", default=[4096, 8192])
+    p.add_argument("--seq", type=int, nargs="+", default=[4096, 8192], help="one run per length")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=["none", "core_attn", "attn", "all"])
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=DEFAULT_CONFIGS,
+                   help=f"module sets to offload (default {' '.join(DEFAULT_CONFIGS)}; none always runs)")
+    p.add_argument("--steps", type=int, default=20, help="measured steps per run")
+    p.add_argument("--warmup", type=int, default=5, help="warm-up steps per run, not measured")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    p.add_argument("--out", default="docs/results")
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    p.add_argument("--min-tensor-bytes", type=int,
+                   help=f"saved tensors smaller than this stay put (default {DEFAULT_MIN_TENSOR_BYTES} "
+                        "on cuda, 0 on cpu)")
+    p.add_argument("--out", default="docs/results", help="folder for layer_stack.json and .md")
+    p.add_argument("--worker", choices=list(CONFIGS), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("CUDA is not available (use --device cpu for a functional check)")
+    if args.min_tensor_bytes is None:
+        args.min_tensor_bytes = DEFAULT_MIN_TENSOR_BYTES if args.device == "cuda" else 0
+    return args
 
 
-def worker(args: argparse.Namespace, config: str, seq: int) -> dict:
-    """One configuration at one sequence length, in this process."""
-    import torch
+# ---------------------------------------------------------------------------- worker process
+class Clock:
+    """Timestamps: CUDA events on the current stream, or ``perf_counter`` on CPU."""
 
-    import offload
-    from offload.testing import GPT_MAPPING, build_gpt
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
 
-    cuda = args.device == "cuda"
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    model = build_gpt(args.hidden, args.heads, args.layers, dtype=dtype, device=args.device)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    modules = CONFIGS[config]
-    offload.configure(modules, device=args.device, timing=True)
-    if modules:
-        offload.attach(model, {k: GPT_MAPPING[k] for k in modules})
-    gen = torch.Generator(device=args.device).manual_seed(0)
-    x = torch.randn(seq, args.batch, args.hidden, device=args.device, dtype=dtype, generator=gen)
-    grad = torch.randn_like(x)
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
-    def step() -> tuple[float, float]:
-        start = torch.cuda.Event(enable_timing=True) if cuda else None
-        end = torch.cuda.Event(enable_timing=True) if cuda else None
-        t0 = time.perf_counter()
+    def ms(self, start: Any, end: Any) -> float:
+        if not self.cuda:
+            return (end - start) * 1e3
+        end.synchronize()
+        return start.elapsed_time(end)
+
+
+def measure(step: Callable[[], None], cuda: bool, steps: int) -> dict:
+    """Step time, peak memory and the engine's statistics over ``steps`` measured steps."""
+    clock = Clock(cuda)
+    pinned_allocations = offload.get_manager().pool.allocations  # those of the warm-up
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()  # weights and gradients are allocated already
+    times: list[float] = []
+    host_ms: list[float] = []
+    per_step: list[IterationStats] = []
+    for _ in range(steps):
         if cuda:
-            start.record()
+            torch.cuda.synchronize()  # every configuration starts each step on an idle GPU
+        start, host_start = clock.mark(), time.perf_counter()
+        step()
+        end, host_end = clock.mark(), time.perf_counter()
+        per_step.append(offload.end_iteration())  # timing=True: waits for the step's copy events
+        times.append(clock.ms(start, end))
+        host_ms.append((host_end - host_start) * 1e3)
+    totals = [s.total() for s in per_step]
+    whole = GroupStats.sum(totals)
+    last = per_step[-1]
+    return {
+        "step_ms": statistics.median(times),
+        "step_ms_min": min(times),
+        "host_ms": statistics.median(host_ms),
+        "peak_allocated": torch.cuda.max_memory_allocated() if cuda else None,
+        "peak_reserved": torch.cuda.max_memory_reserved() if cuda else None,
+        "offloaded_bytes": totals[-1].bytes_offloaded,
+        "reloaded_bytes": totals[-1].bytes_reloaded,
+        "held_elsewhere_bytes": totals[-1].bytes_held_elsewhere,
+        "reloads_on_demand": totals[-1].reloads_on_demand,
+        "d2h_gbps": whole.d2h_gbps if cuda else None,
+        "h2d_gbps": whole.h2d_gbps if cuda else None,
+        "wait_ms": statistics.median(t.offload_wait_ms + t.reload_wait_ms for t in totals) if cuda else None,
+        "pinned_bytes": last.pinned_bytes,
+        "pinned_peak_in_use": last.pinned_peak_bytes_in_use,
+        "pinned_allocations_after_warmup": last.pinned_allocations - pinned_allocations,
+        "by_name": {
+            name: {
+                "bytes_offloaded": s.bytes_offloaded,
+                "groups_offloaded": s.groups_offloaded,
+                "groups_kept": s.groups_kept,
+                "bytes_per_group": s.bytes_offloaded // s.groups_offloaded if s.groups_offloaded else 0,
+            }
+            for name, s in last.by_name.items()
+        },
+    }
+
+
+def layer_forward_ms(model: nn.Module, x: torch.Tensor, clock: Clock, layers: int) -> float:
+    """Forward time per layer without offloading (median of a few passes)."""
+    passes = []
+    for _ in range(TIMING_PASSES):
+        start = clock.mark()
+        model(x)  # with grad, as in training; the graph is dropped at once
+        end = clock.mark()
+        passes.append(clock.ms(start, end) / layers)
+    return statistics.median(passes)
+
+
+def worker(args: argparse.Namespace, config: str) -> dict:
+    """One configuration at one sequence length (``args.seq[-1]``), in this process."""
+    seq = args.seq[-1]
+    cuda = args.device == "cuda"
+    dtype = DTYPES[args.dtype]
+    model = build_gpt(args.hidden, args.heads, args.layers, dtype=dtype, device=args.device)
+    for p in model.parameters():  # persistent gradient buffers, allocated before the peak reset
+        p.grad = torch.zeros_like(p)
+    names = CONFIGS[config]
+    offload.configure(names, min_tensor_bytes=args.min_tensor_bytes, timing=True, device=args.device)
+    handle = offload.attach(model, {n: GPT_MAPPING[n] for n in names}) if names else None
+    gen = torch.Generator(device=args.device).manual_seed(0)
+    x = torch.randn(seq, args.batch, args.hidden, generator=gen, device=args.device, dtype=dtype)
+    grad = torch.randn(x.shape, generator=gen, device=args.device, dtype=dtype)
+
+    def step() -> None:
         model.zero_grad(set_to_none=False)
         model(x).backward(grad)
-        if cuda:
-            end.record()
-        host_ms = (time.perf_counter() - t0) * 1e3
-        return start, end, host_ms
 
     for _ in range(args.warmup):
         step()
         offload.end_iteration()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    step_ms, host_ms, per_step = [], [], []
-    for _ in range(args.steps):
-        start, end, host = step()
-        stats = offload.end_iteration()  # timing=True: waits for this step's copies
-        if cuda:
-            end.synchronize()
-        step_ms.append(start.elapsed_time(end) if cuda else host)
-        host_ms.append(host)
-        per_step.append(stats)
-    total = per_step[-1].total()
-    waits = statistics.median(s.total().offload_wait_ms + s.total().reload_wait_ms for s in per_step)
-    return {
-        "config": config,
-        "modules": modules,
-        "seq": seq,
-        "step_ms": statistics.median(step_ms),
-        "step_ms_min": min(step_ms),
-        "host_ms": statistics.median(host_ms),
-        "peak_allocated": torch.cuda.max_memory_allocated() if cuda else None,
-        "peak_reserved": torch.cuda.max_memory_reserved() if cuda else None,
-        "offloaded_bytes": total.bytes_offloaded,
-        "reloaded_bytes": total.bytes_reloaded,
-        "reloads_on_demand": total.reloads_on_demand,
-        "d2h_gbps": total.d2h_gbps,
-        "h2d_gbps": total.h2d_gbps,
-        "wait_ms": waits,
-        "pinned_bytes": per_step[-1].pinned_bytes,
-        "pinned_peak_in_use": per_step[-1].pinned_peak_bytes_in_use,
-        "pinned_allocations_after_warmup": per_step[-1].pinned_allocations - per_step[0].pinned_allocations,
-        "by_name": {k: v.bytes_offloaded for k, v in per_step[-1].by_name.items()},
-    }
+    record = {"config": config, "modules": names, "seq": seq, **measure(step, cuda, args.steps)}
+    if handle is not None:
+        handle.remove()
+    if config == "none":  # after the measurement: these passes must not touch the peak
+        record["saved_bytes_by_name"] = saved_bytes_by_name(model, GPT_MAPPING, step)
+        record["layer_forward_ms"] = layer_forward_ms(model, x, Clock(cuda), args.layers)
+    return record
+
+
+# ---------------------------------------------------------------------------- parent process
+def run_worker(argv: list[str], config: str, seq: int) -> dict:
+    """Run one configuration in a fresh process; its last stdout line is the JSON record."""
+    cmd = [sys.executable, __file__, *argv, "--worker", config, "--seq", str(seq)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"worker {config} at seq {seq} failed ({proc.returncode}):\n{proc.stderr}")
+    sys.stderr.write(proc.stderr)  # warnings, e.g. a failed pinned allocation
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def run_all(args: argparse.Namespace, argv: list[str]) -> list[dict]:
+    configs = ["none", *(c for c in args.configs if c != "none")]
+    runs = [(seq, config) for seq in args.seq for config in configs]
     records = []
-    runs = [(seq, cfg) for seq in args.seq for cfg in args.configs]
-    for i, (seq, cfg) in enumerate(runs, 1):
-        print(f"[{i}/{len(runs)}] seq {seq} config {cfg} ...", file=sys.stderr, flush=True)
-        cmd = [sys.executable, __file__, *argv, "--worker", f"{cfg}:{seq}"]
-        out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-        if out.returncode != 0:
-            raise SystemExit(f"worker {cfg}:{seq} failed:\n{out.stderr}")
-        records.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    for i, (seq, config) in enumerate(runs, 1):
+        print(f"[{i}/{len(runs)}] seq {seq}, config {config} ...", end=" ", file=sys.stderr, flush=True)
+        record = run_worker(argv, config, seq)
+        print(f"{record['step_ms']:.1f} ms/step", file=sys.stderr, flush=True)
+        records.append(record)
     return records
 
 
-def evaluate(records: list[dict], args: argparse.Namespace) -> None:
-    """Add, to each record, the comparison with the no-offloading run of the same length and
-    the issue's targets: where the bytes fit under compute at ~50 GB/s, step time within 2%;
-    peak memory lower by >= 90% of the offloaded bytes."""
+def copy_fit(record: dict, layer_forward_ms: float) -> dict:
+    """Whether one layer's offloaded groups copy at `LINK_GBPS` within one layer's forward.
+
+    The D2H stream copies the groups one after another behind compute (a group's copy can
+    start once its module's forward is done), so in steady state one layer's copies must fit
+    under one layer's forward; the reloads then fit under its backward, about twice as long.
+    """
+    layer_bytes = sum(s["bytes_per_group"] for s in record["by_name"].values())
+    copy_ms = layer_bytes / (LINK_GBPS * 1e6)
+    return {"bytes_per_layer": layer_bytes, "copy_ms_per_layer": copy_ms,
+            "layer_forward_ms": layer_forward_ms, "fits": copy_ms <= layer_forward_ms}
+
+
+def verdict(applies: bool, met: bool) -> str:
+    return ("met" if met else "not met") if applies else "n/a"
+
+
+def evaluate(records: list[dict]) -> None:
+    """Add the comparison with the baseline of the same length, and the issue's targets."""
     base = {r["seq"]: r for r in records if r["config"] == "none"}
     for r in records:
-        b = base.get(r["seq"])
-        if b is None or r["config"] == "none":
+        b = base[r["seq"]]
+        r["group_saved_bytes"] = sum(b["saved_bytes_by_name"][n] for n in r["modules"])
+        if r["config"] == "none":
             continue
         r["overhead_pct"] = 100 * (r["step_ms"] / b["step_ms"] - 1)
-        offloaded_layers = max(args.layers - 1, 1)  # the last layer is kept on the GPU
-        fwd_ms_per_layer = b["step_ms"] / 3 / args.layers  # backward ~ 2x forward
-        copy_ms_per_layer = r["offloaded_bytes"] / offloaded_layers / (LINK_GBPS * 1e6)
-        r["copy_ms_per_layer_at_50gbps"] = copy_ms_per_layer
-        r["fwd_ms_per_layer"] = fwd_ms_per_layer
-        r["fits_under_compute"] = copy_ms_per_layer <= fwd_ms_per_layer
-        if b["peak_allocated"] is not None and r["offloaded_bytes"]:
-            r["saved_bytes"] = b["peak_allocated"] - r["peak_allocated"]
-            r["removed_over_offloaded"] = r["saved_bytes"] / r["offloaded_bytes"]
-            r["target_memory_met"] = r["removed_over_offloaded"] >= 0.9
-        r["target_time_met"] = r["overhead_pct"] <= 2.0 if r["fits_under_compute"] else None
+        on_gpu = b["peak_allocated"] is not None
+        r["memory_removed"] = b["peak_allocated"] - r["peak_allocated"] if on_gpu else None
+        moved = r["offloaded_bytes"]
+        r["removed_over_offloaded"] = r["memory_removed"] / moved if on_gpu and moved else None
+        r["copy_fit"] = copy_fit(r, b["layer_forward_ms"])
+        r["fits_under_compute"] = r["copy_fit"]["fits"]
+        r["time_target"] = verdict(on_gpu and r["fits_under_compute"], r["overhead_pct"] <= TIME_TARGET_PCT)
+        r["memory_target"] = verdict(on_gpu and moved > 0, (r["removed_over_offloaded"] or 0) >= MEMORY_TARGET)
 
 
-def write(records: list[dict], args: argparse.Namespace, out_dir: Path, command: str, device: str, torch_version: str) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for r in records:
-        r.update(device=device, torch=torch_version, command=command)
-    (out_dir / "layer_stack.json").write_text(json.dumps(records, indent=2) + "\n")
-    rows = [
-        f"Measured on {device}, torch {torch_version}: GPT layer stack, {args.layers} layers, hidden {args.hidden}, "
-        f"{args.heads} heads, batch {args.batch}, {args.dtype}; median of {args.steps} steps after {args.warmup} warm-up steps.",
-        "",
-        f"Command: `{command}`",
-        "",
-        "| seq | config | step ms | overhead | peak GiB | saved GiB | offloaded GiB/step | removed/offloaded "
-        "| D2H GB/s | H2D GB/s | wait ms | pinned GiB | fits @50GB/s | time target | memory target |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    rows += [_row(r) for r in records]
-    (out_dir / "layer_stack.md").write_text("\n".join(rows) + "\n")
-    print("\n".join(rows))
+def fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
+    return "n/a" if value is None else format(value / scale, spec)
 
 
-def _gib(n: int | None) -> str:
-    return "n/a" if n is None else f"{n / 2**30:.2f}"
-
-
-def _verdict(value: bool | None) -> str:
-    return "n/a" if value is None else ("met" if value else "not met")
-
-
-def _row(r: dict) -> str:
-    baseline = r["config"] == "none"
+def row(r: dict) -> str:
+    base = r["config"] == "none"
     cells = [
-        str(r["seq"]), r["config"], f"{r['step_ms']:.1f}",
-        "" if baseline else f"{r['overhead_pct']:+.1f}%",
-        _gib(r["peak_allocated"]), _gib(r.get("saved_bytes")), _gib(r["offloaded_bytes"]),
-        f"{100 * r['removed_over_offloaded']:.0f}%" if "removed_over_offloaded" in r else "",
-        f"{r['d2h_gbps']:.1f}", f"{r['h2d_gbps']:.1f}", f"{r['wait_ms']:.2f}", _gib(r["pinned_bytes"]),
-        "" if baseline else ("yes" if r["fits_under_compute"] else "no"),
-        "" if baseline else _verdict(r.get("target_time_met")),
-        "" if baseline else _verdict(r.get("target_memory_met")),
+        r["config"], str(r["seq"]), fmt(r["step_ms"], ".1f"),
+        "" if base else f"{r['overhead_pct']:+.1f}%",
+        fmt(r["peak_allocated"], ".2f", GIB), fmt(r["peak_reserved"], ".2f", GIB),
+        "" if base else fmt(r["memory_removed"], ".2f", GIB),
+        fmt(r["offloaded_bytes"], ".3g", GIB), fmt(r["group_saved_bytes"], ".3g", GIB),
+        "" if base else fmt(r["removed_over_offloaded"], ".0%"),
+        "" if base else fmt(r["d2h_gbps"], ".1f"), "" if base else fmt(r["h2d_gbps"], ".1f"),
+        fmt(r["wait_ms"], ".2f"),
+        fmt(r["pinned_bytes"], ".3g", GIB),
+        "" if base else ("yes" if r["fits_under_compute"] else "no"),
+        "" if base else r["time_target"], "" if base else r["memory_target"],
     ]
     return "| " + " | ".join(cells) + " |"
+
+
+HEADER = [
+    "| config | seq | step ms | overhead | peak GiB | reserved GiB | saved GiB | offloaded GiB/step "
+    "| groups save GiB | removed/offloaded | D2H GB/s | H2D GB/s | wait ms | pinned GiB "
+    f"| fits @{LINK_GBPS:.0f} GB/s | time target | memory target |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:-:|:-:|:-:|",
+]
+
+
+def summary(records: list[dict]) -> list[str]:
+    """One line per target: in how many rows it applies and is met."""
+    lines = []
+    for key, text in (
+        ("time_target", f"step time within {TIME_TARGET_PCT:g}% of no offloading, where the copies fit "
+                        f"under compute at {LINK_GBPS:g} GB/s"),
+        ("memory_target", f"peak memory lower by >= {MEMORY_TARGET:.0%} of the bytes offloaded"),
+    ):
+        verdicts = [r[key] for r in records if key in r]
+        applies = [v for v in verdicts if v != "n/a"]
+        lines.append(f"* {text}: met in {applies.count('met')} of {len(applies)} rows where it applies "
+                     f"({len(verdicts) - len(applies)} n/a)")
+    return lines
+
+
+def write(records: list[dict], args: argparse.Namespace, meta: dict) -> str:
+    """Write ``layer_stack.json`` and ``layer_stack.md`` under ``args.out``; return the Markdown."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for r in records:
+        r.update(meta)
+    (out / "layer_stack.json").write_text(json.dumps(records, indent=2) + "\n")
+    s = meta["settings"]
+    lines = [
+        "# Layer-stack benchmark",
+        "",
+        f"{meta['device']}, torch {meta['torch']}. GPT layer stack: {s['layers']} layers, hidden {s['hidden']}, "
+        f"{s['heads']} heads, batch {s['batch']}, {s['dtype']}, min_tensor_bytes {s['min_tensor_bytes']}. "
+        f"Forward+backward, median of {s['steps']} steps after {s['warmup']} warm-up steps, "
+        "engine statistics with timing=True. Columns: benchmarks/README.md.",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        *HEADER,
+        *(row(r) for r in records),
+        "",
+        "Targets:",
+        "",
+        *summary(records),
+    ]
+    text = "\n".join(lines) + "\n"
+    (out / "layer_stack.md").write_text(text)
+    return text
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
     if args.worker:
-        config, seq = args.worker.split(":")
-        print(json.dumps(worker(args, config, int(seq))))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="offload: no CUDA device", category=RuntimeWarning)
+            record = worker(args, args.worker)
+        print(json.dumps(record))
         return
-    import torch
-
-    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     records = run_all(args, argv)
-    evaluate(records, args)
-    command = "python benchmarks/bench_layer_stack.py " + " ".join(argv)
-    write(records, args, Path(args.out), command.strip(), device, torch.__version__)
+    evaluate(records)
+    meta = {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "command": shlex.join(["python", sys.argv[0], *argv]),
+        "settings": {k: getattr(args, k) for k in
+                     ("hidden", "heads", "layers", "batch", "dtype", "steps", "warmup", "min_tensor_bytes")},
+    }
+    print(write(records, args, meta), end="")
+    print(f"results: {Path(args.out) / 'layer_stack.json'}, {Path(args.out) / 'layer_stack.md'}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
-"""The main job: train a small GPT layer stack with and without offloading, side by side.
+"""The main job: train a small GPT layer stack without and with offloading, side by side.
 
-    python -m offload.demo                      # GPU if there is one, else the CPU fallback
+    python -m offload.demo                                  # GPU if there is one, else CPU
     python -m offload.demo --offload-modules core_attn,fc1 --steps 20 --json out.json
 
-Both runs start from the same weights and see the same data; the demo prints peak memory,
-memory saved, median step time, bytes offloaded per step and pinned host bytes, and checks
-that the losses of every step are bitwise identical (exit code 1 if not).
+Both runs happen in this process, start from the same weights and see the same data. The demo
+prints the step's peak memory, memory saved, median step time, bytes offloaded per step and
+pinned host bytes, and checks that the losses of every step are bitwise identical (exit code 1
+if they are not). Without CUDA it runs the engine's CPU fallback, which saves no memory.
 """
 
 from __future__ import annotations
@@ -13,174 +14,227 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any, NoReturn
 
-from . import config as offload_defaults
+import torch
+import torch.nn.functional as F
+
+import offload
+from offload.config import DEFAULT_MIN_TENSOR_BYTES, check_known
+from offload.testing import GPT_MAPPING, build_gpt
 
 DEFAULT_MODULES = "core_attn,fc1,mlp_act,fc2"
+WARMUP_STEPS = 2
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+GPU_DEFAULTS = dict(hidden=2048, heads=16, layers=8, seq=4096, batch=1, steps=10, dtype="bf16",
+                    min_tensor_bytes=DEFAULT_MIN_TENSOR_BYTES)
+CPU_DEFAULTS = dict(hidden=64, heads=4, layers=4, seq=128, batch=2, steps=4, dtype="fp32",
+                    min_tensor_bytes=0)  # the tiny CPU model's tensors are all under 1 MiB
+CPU_NOTE = ("note: no CUDA here, so the engine ran its CPU fallback (host copies in place of "
+            "device copies): it saves no memory on CPU, and peak memory is n/a.")
 
 
 @dataclass
 class RunResult:
+    """What one training run measured."""
+
     name: str
-    losses: list[float] = field(default_factory=list)
-    step_ms: float = 0.0
-    peak_bytes: int | None = None
-    offloaded_bytes_per_step: int = 0
-    pinned_bytes: int = 0
+    modules: list[str]
+    losses: list[float]
+    step_ms: float
+    peak_bytes: int | None
+    offloaded_bytes_per_step: int
+    pinned_bytes: int
 
 
-def _parse(argv: list[str] | None) -> argparse.Namespace:
+class Clock:
+    """Timestamps: CUDA events on the current stream, or ``perf_counter`` on CPU."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def ms(self, start: Any, end: Any) -> float:
+        if not self.cuda:
+            return (end - start) * 1e3
+        end.synchronize()
+        return start.elapsed_time(end)
+
+
+def _default_help(name: str) -> str:
+    return f"default {GPU_DEFAULTS[name]} on GPU, {CPU_DEFAULTS[name]} on CPU"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m offload.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    p.add_argument("--offload-modules", default=DEFAULT_MODULES,
-                   help=f"group names to offload, 'a,b' or 'a b' (default {DEFAULT_MODULES})")
-    p.add_argument("--hidden", type=int)
-    p.add_argument("--heads", type=int)
-    p.add_argument("--layers", type=int)
-    p.add_argument("--seq", type=int)
-    p.add_argument("--batch", type=int)
-    p.add_argument("--steps", type=int)
-    p.add_argument("--dtype", choices=["bf16", "fp32"])
+    p.add_argument("--offload-modules", nargs="+", default=[DEFAULT_MODULES], metavar="NAMES",
+                   help=f"group names to offload, 'a,b' or 'a b' (default {DEFAULT_MODULES}); "
+                        f"valid: {', '.join(GPT_MAPPING)}")
+    for name in ("hidden", "heads", "layers", "seq", "batch", "steps"):
+        p.add_argument(f"--{name}", type=int, help=_default_help(name))
+    p.add_argument("--dtype", choices=list(DTYPES), help=_default_help("dtype"))
     p.add_argument("--min-tensor-bytes", type=int,
-                   help="saved tensors smaller than this stay on the GPU (default: the library's "
-                        "1 MiB on GPU; 0 on CPU, where the demo model is tiny)")
+                   help="saved tensors smaller than this are not offloaded; " + _default_help("min_tensor_bytes"))
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     return p.parse_args(argv)
 
 
-def _defaults(args: argparse.Namespace, cuda: bool) -> None:
-    gpu = dict(hidden=2048, heads=16, layers=8, seq=4096, batch=1, steps=10, dtype="bf16")
-    cpu = dict(hidden=64, heads=4, layers=4, seq=128, batch=2, steps=4, dtype="fp32")
-    gpu["min_tensor_bytes"] = offload_defaults.DEFAULT_MIN_TENSOR_BYTES
-    cpu["min_tensor_bytes"] = 0
-    for key, value in (gpu if cuda else cpu).items():
+def fail(message: str) -> NoReturn:
+    """A usage error: exit code 2 (1 is for losses that differ)."""
+    print(f"offload.demo: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def resolve(args: argparse.Namespace) -> torch.device:
+    """Pick the device, fill in the size defaults for it and check the module names."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda, but CUDA is not available")
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    for key, value in (GPU_DEFAULTS if cuda else CPU_DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.steps < 3:
-        raise SystemExit("--steps must be at least 3 (2 warm-up steps are not timed)")
+    if args.steps <= WARMUP_STEPS:
+        fail(f"--steps must be more than the {WARMUP_STEPS} warm-up steps")
+    try:
+        args.modules = list(offload.parse_module_list(args.offload_modules))
+        check_known(args.modules, GPT_MAPPING, "--offload-modules")
+    except (ValueError, offload.UnknownModuleError) as exc:
+        fail(str(exc))
+    if not args.modules:
+        fail("--offload-modules names no module")
+    return torch.device("cuda" if cuda else "cpu")
 
 
-def _train(name: str, modules: tuple[str, ...], args: argparse.Namespace, device: str) -> RunResult:
-    import torch
-
-    import offload
-    from offload.testing import GPT_MAPPING, build_gpt
-
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    model = build_gpt(args.hidden, args.heads, args.layers, dtype=dtype, device=device, seed=0)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    handle = None
-    offload.configure(modules, device=device, min_tensor_bytes=args.min_tensor_bytes)
-    if modules:
-        handle = offload.attach(model, {k: v for k, v in GPT_MAPPING.items() if k in modules})
-    gen = torch.Generator(device=device).manual_seed(1)
-    shape = (args.seq, args.batch, args.hidden)
-    data = [(torch.randn(shape, generator=gen, device=device, dtype=dtype),
-             torch.randn(shape, generator=gen, device=device, dtype=dtype)) for _ in range(args.steps)]
+def train(args: argparse.Namespace, device: torch.device, modules: list[str]) -> RunResult:
+    """Train for ``args.steps`` steps offloading ``modules`` (none if empty); seeds are fixed."""
+    cuda = device.type == "cuda"
+    model = build_gpt(args.hidden, args.heads, args.layers, dtype=DTYPES[args.dtype], device=device, seed=0)
     for p in model.parameters():  # persistent gradient buffers, as trainers keep them
         p.grad = torch.zeros_like(p)
-    cuda = device == "cuda"
-    result = RunResult(name)
-    times = []
-    for step, (x, target) in enumerate(data):
-        if cuda and step == 2:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    offload.configure(modules, min_tensor_bytes=args.min_tensor_bytes, timing=False, device=device)
+    handle = offload.attach(model, {n: GPT_MAPPING[n] for n in modules}) if modules else None
+    gen = torch.Generator(device=device).manual_seed(1)
+    shape = (args.seq, args.batch, args.hidden)
+    target = torch.randn(shape, generator=gen, device=device)
+    clock = Clock(cuda)
+    losses: list[float] = []
+    times: list[float] = []
+    for step in range(args.steps):
+        x = torch.randn(shape, generator=gen, device=device, dtype=DTYPES[args.dtype])
+        if cuda and step == WARMUP_STEPS:  # weights, gradients and AdamW state exist by now
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        start = torch.cuda.Event(enable_timing=True) if cuda else None
-        end = torch.cuda.Event(enable_timing=True) if cuda else None
-        t0 = time.perf_counter()
-        if cuda:
-            start.record()
+        start = clock.mark()
         optimizer.zero_grad(set_to_none=False)
-        loss = torch.nn.functional.mse_loss(model(x).float(), target.float())
+        loss = F.mse_loss(model(x).float(), target)
         loss.backward()
         optimizer.step()
-        if cuda:
-            end.record()
+        end = clock.mark()
         stats = offload.end_iteration()
-        result.losses.append(loss.item())
-        if step >= 2:
-            times.append(start.elapsed_time(end) if cuda else (time.perf_counter() - t0) * 1e3)
-            result.offloaded_bytes_per_step = stats.total().bytes_offloaded
-            result.pinned_bytes = stats.pinned_bytes
-    result.step_ms = statistics.median(times)
-    if cuda:
-        result.peak_bytes = torch.cuda.max_memory_allocated()
+        losses.append(loss.item())
+        if step >= WARMUP_STEPS:
+            times.append(clock.ms(start, end))
     if handle is not None:
         handle.remove()
-    offload.reset(release_pool=True)
-    return result
+    return RunResult(
+        name="offloading" if modules else "no offloading",
+        modules=modules,
+        losses=losses,
+        step_ms=statistics.median(times),
+        peak_bytes=torch.cuda.max_memory_allocated() if cuda else None,
+        offloaded_bytes_per_step=stats.total().bytes_offloaded,
+        pinned_bytes=stats.pinned_bytes,
+    )
 
 
-def _size(n: int | None) -> str:
+def size(n: int | None) -> str:
     if n is None:
         return "n/a"
     return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def _report(args: argparse.Namespace, device: str, base: RunResult, off: RunResult) -> dict:
-    same = base.losses == off.losses
-    lines = [
-        f"offload demo: GPT stack, {args.layers} layers, hidden {args.hidden}, seq {args.seq}, "
-        f"batch {args.batch}, {args.dtype}, {args.steps} steps on {device}",
-        f"offloaded modules: {','.join(args.modules)}",
-        "",
-        f"{'':28}{'no offloading':>16}{'offloading':>16}",
-        f"{'peak memory':28}{_size(base.peak_bytes):>16}{_size(off.peak_bytes):>16}",
-        f"{'median step time':28}{base.step_ms:>13.1f} ms{off.step_ms:>13.1f} ms",
-        f"{'offloaded per step':28}{'-':>16}{_size(off.offloaded_bytes_per_step):>16}",
-        f"{'pinned host memory':28}{'-':>16}{_size(off.pinned_bytes):>16}",
-    ]
-    if base.peak_bytes is not None:
-        saved = base.peak_bytes - off.peak_bytes
-        lines.append(f"{'memory saved':28}{_size(saved):>32} ({100 * saved / base.peak_bytes:.1f}% of peak)")
-    lines.append(f"{'step time change':28}{100 * (off.step_ms / base.step_ms - 1):>+31.1f}%")
-    if same:
-        lines.append(f"losses: bitwise identical over {len(base.losses)} steps")
-    else:
-        diff = max(abs(a - b) for a, b in zip(base.losses, off.losses))
-        lines.append(f"losses DIFFER: max abs difference {diff:g}")
-    if device == "cpu":
-        lines.append("note: no GPU here; the engine ran its CPU fallback (host copies), which saves no memory")
-    print("\n".join(lines))
+def compare(base: RunResult, off: RunResult) -> dict:
+    """Memory saved, step-time change and the loss comparison of the two runs."""
+    saved = None if base.peak_bytes is None else base.peak_bytes - off.peak_bytes
+    identical = base.losses == off.losses
     return {
-        "device": device, "command": " ".join(["python -m offload.demo", *sys.argv[1:]]),
-        "config": {k: getattr(args, k) for k in ("hidden", "heads", "layers", "seq", "batch", "steps", "dtype")},
-        "modules": list(args.modules), "losses_identical": same,
-        "runs": [asdict(base), asdict(off)],
+        "memory_saved_bytes": saved,
+        "memory_saved_pct": None if saved is None else 100 * saved / base.peak_bytes,
+        "step_time_change_pct": 100 * (off.step_ms / base.step_ms - 1),
+        "losses_identical": identical,
+        "max_abs_loss_difference": max(abs(a - b) for a, b in zip(base.losses, off.losses)),
     }
 
 
+def table(args: argparse.Namespace, device_name: str, base: RunResult, off: RunResult, cmp: dict) -> str:
+    row = "{:<26}{:>16}{:>16}".format
+    saved = "n/a" if cmp["memory_saved_bytes"] is None else (
+        f"{size(cmp['memory_saved_bytes'])} ({cmp['memory_saved_pct']:.1f}%)")
+    lines = [
+        f"GPT layer stack: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, "
+        f"batch {args.batch}, {args.dtype}, {args.steps} steps ({WARMUP_STEPS} warm-up) on {device_name}",
+        f"offloaded modules: {','.join(off.modules)}",
+        "",
+        row("", base.name, off.name),
+        row("peak memory (step)", size(base.peak_bytes), size(off.peak_bytes)),
+        row("memory saved", "", saved),
+        row("median step time", f"{base.step_ms:.2f} ms", f"{off.step_ms:.2f} ms"),
+        row("step time change", "", f"{cmp['step_time_change_pct']:+.1f}%"),
+        row("offloaded per step", "-", size(off.offloaded_bytes_per_step)),
+        row("pinned host memory", "-", size(off.pinned_bytes)),
+        "",
+    ]
+    if cmp["losses_identical"]:
+        lines.append(f"losses: bitwise identical over all {len(base.losses)} steps")
+    else:
+        lines.append(f"losses DIFFER: max abs difference {cmp['max_abs_loss_difference']:g}")
+    if base.peak_bytes is None:
+        lines.append(CPU_NOTE)
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
-    # Deterministic cuBLAS must be chosen before CUDA starts: bitwise-equal losses need it.
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    import warnings
-
-    import torch
-
-    import offload
-
-    cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
-    if cuda and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: CUDA is not available")
-    device = "cuda" if cuda else "cpu"
-    _defaults(args, cuda)
-    args.modules = offload.parse_module_list(args.offload_modules)
+    # Deterministic cuBLAS must be chosen before CUDA initializes: bitwise-equal losses need it.
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    args = parse_args(argv)
+    device = resolve(args)
     torch.use_deterministic_algorithms(True)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # the CPU fallback's notice; said below
-        base = _train("no offloading", (), args, device)
-        off = _train("offloading", args.modules, args, device)
-    record = _report(args, device, base, off)
+        warnings.filterwarnings("ignore", message="offload: no CUDA device", category=RuntimeWarning)
+        base = train(args, device, [])
+        off = train(args, device, args.modules)
+    offload.reset(release_pool=True)
+    cmp = compare(base, off)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(table(args, device_name, base, off, cmp))
     if args.json:
+        record = {
+            "device": device.type,
+            "device_name": device_name,
+            "torch": torch.__version__,
+            "command": shlex.join(["python", "-m", "offload.demo", *(sys.argv[1:] if argv is None else argv)]),
+            "config": {k: getattr(args, k) for k in GPU_DEFAULTS},
+            "modules": args.modules,
+            **cmp,
+            "runs": [asdict(base), asdict(off)],
+        }
         with open(args.json, "w") as f:
             json.dump(record, f, indent=2)
-    return 0 if record["losses_identical"] else 1
+    return 0 if cmp["losses_identical"] else 1
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from typing import Iterable
 
 
 @dataclass
@@ -33,6 +34,15 @@ class GroupStats:
     offload_wait_ms: float = 0.0
     reload_wait_ms: float = 0.0
 
+    @classmethod
+    def sum(cls, items: "Iterable[GroupStats]") -> "GroupStats":
+        """Field-wise sum (over names, or over iterations)."""
+        out = cls()
+        for s in items:
+            for f in fields(cls):
+                setattr(out, f.name, getattr(out, f.name) + getattr(s, f.name))
+        return out
+
     @property
     def d2h_gbps(self) -> float:
         return self.bytes_offloaded / self.d2h_ms / 1e6 if self.d2h_ms > 0 else 0.0
@@ -57,11 +67,8 @@ class IterationStats:
     handlers: int = 0
 
     def total(self) -> GroupStats:
-        out = GroupStats()
-        for s in self.by_name.values():
-            for k, v in asdict(s).items():
-                setattr(out, k, getattr(out, k) + v)
-        return out
+        """All names together."""
+        return GroupStats.sum(self.by_name.values())
 
     def as_dict(self) -> dict:
         d = asdict(self)

@@ -139,24 +139,36 @@ def first_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
 
 
 def saved_bytes_by_name(model: nn.Module, mapping: dict[str, str], run: Callable[[], None]) -> dict[str, int]:
-    """Bytes that autograd saves inside each mapped module during ``run()`` (no offloading):
-    the upper bound of what offloading those modules can move."""
+    """Activation bytes that autograd saves inside each mapped module during ``run()``, without
+    offloading: what offloading those modules can move at most. Parameters and views of them
+    (``weight.t()``, saved by ``addmm``) are not counted: they are never offloaded."""
     import fnmatch
 
     totals: dict[str, int] = {name: 0 for name in mapping}
-    hooks = []
     current: list[str] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if current:
+        base = t._base
+        parameter = (t.requires_grad and t.is_leaf) or (base is not None and base.requires_grad and base.is_leaf)
+        if current and not parameter:
             totals[current[-1]] += t.numel() * t.element_size()
         return t
 
+    def enter(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple) -> None:
+            current.append(name)
+
+        return hook
+
+    def leave(module: nn.Module, args: tuple, output: object) -> None:
+        current.pop()  # returns None: a forward hook's return value would replace the output
+
+    hooks = []
     for qn, module in model.named_modules():
         for name, pattern in mapping.items():
             if qn and fnmatch.fnmatchcase(qn, pattern):
-                hooks.append(module.register_forward_pre_hook(lambda m, a, n=name: current.append(n)))
-                hooks.append(module.register_forward_hook(lambda m, a, o: current.pop(), always_call=True))
+                hooks.append(module.register_forward_pre_hook(enter(name)))
+                hooks.append(module.register_forward_hook(leave, always_call=True))
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             run()
