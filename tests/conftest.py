@@ -27,10 +27,13 @@ def _fresh_engine():
 
 @pytest.fixture
 def configure():
-    """``configure(modules, **kw)``: a fresh engine; the CPU-fallback warning is silenced."""
+    """``configure(modules, **kw)``: a fresh engine on the CPU fallback unless ``device`` says
+    otherwise (also on a GPU machine, where the CPU tests' tensors are CPU tensors); the
+    CPU-fallback warning is silenced."""
 
     def make(modules, **kw):
         kw.setdefault("min_tensor_bytes", 0)
+        kw.setdefault("device", "cpu")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             return offload.configure(modules, **kw)
