@@ -22,7 +22,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a clone, no install
 
@@ -32,7 +32,7 @@ from torch import nn  # noqa: E402
 import offload  # noqa: E402
 from offload.config import DEFAULT_MIN_TENSOR_BYTES  # noqa: E402
 from offload.stats import GroupStats, IterationStats  # noqa: E402
-from offload.testing import GPT_MAPPING, build_gpt, saved_bytes_by_name  # noqa: E402
+from offload.testing import GPT_MAPPING, Clock, build_gpt, saved_bytes_by_name  # noqa: E402
 
 CONFIGS: dict[str, list[str]] = {
     "none": [],
@@ -79,26 +79,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------------------- worker process
-class Clock:
-    """Timestamps: CUDA events on the current stream, or ``perf_counter`` on CPU."""
-
-    def __init__(self, cuda: bool) -> None:
-        self.cuda = cuda
-
-    def mark(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def ms(self, start: Any, end: Any) -> float:
-        if not self.cuda:
-            return (end - start) * 1e3
-        end.synchronize()
-        return start.elapsed_time(end)
-
-
 def measure(step: Callable[[], None], cuda: bool, steps: int) -> dict:
     """Step time, peak memory and the engine's statistics over ``steps`` measured steps."""
     clock = Clock(cuda)

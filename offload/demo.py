@@ -17,17 +17,16 @@ import os
 import shlex
 import statistics
 import sys
-import time
 import warnings
 from dataclasses import asdict, dataclass
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import torch
 import torch.nn.functional as F
 
 import offload
 from offload.config import DEFAULT_MIN_TENSOR_BYTES, check_known
-from offload.testing import GPT_MAPPING, build_gpt
+from offload.testing import GPT_MAPPING, Clock, build_gpt
 
 DEFAULT_MODULES = "core_attn,fc1,mlp_act,fc2"
 WARMUP_STEPS = 2
@@ -51,26 +50,6 @@ class RunResult:
     peak_bytes: int | None
     offloaded_bytes_per_step: int
     pinned_bytes: int
-
-
-class Clock:
-    """Timestamps: CUDA events on the current stream, or ``perf_counter`` on CPU."""
-
-    def __init__(self, cuda: bool) -> None:
-        self.cuda = cuda
-
-    def mark(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def ms(self, start: Any, end: Any) -> float:
-        if not self.cuda:
-            return (end - start) * 1e3
-        end.synchronize()
-        return start.elapsed_time(end)
 
 
 def _default_help(name: str) -> str:

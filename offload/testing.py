@@ -9,7 +9,8 @@ function of its inputs, which is what bitwise comparisons need.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+import time
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -97,6 +98,26 @@ class GPTLayerStack(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.final_layernorm(x)
+
+
+class Clock:
+    """Timestamps: CUDA events on the current stream, or ``perf_counter`` on CPU."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def ms(self, start: Any, end: Any) -> float:
+        if not self.cuda:
+            return (end - start) * 1e3
+        end.synchronize()
+        return start.elapsed_time(end)
 
 
 def build_gpt(

@@ -36,7 +36,7 @@ def main() -> None:
     def traced(self, group):
         marks.append((f"bwd done {group.label}", torch.cuda.memory_allocated()))
         real(self, group)
-        marks.append((f"  after prefetch", torch.cuda.memory_allocated()))
+        marks.append(("  after prefetch", torch.cuda.memory_allocated()))
 
     PipelineOffloadManager.on_group_backward_done = traced
     for mods in ([], modules):
