@@ -124,6 +124,3 @@ class ChunkOffloadHandler:
         self.pending.clear()
         self._records.clear()
         self.phase = HandlerPhase.RETIRED
-
-    def kept_or_pending(self) -> list[OffloadGroup]:
-        return [g for g in self.groups if g.state in (GroupState.PENDING, GroupState.KEPT)]

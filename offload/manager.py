@@ -446,6 +446,7 @@ class PipelineOffloadManager:
             pinned_buffers=pool.num_buffers,
             pinned_peak_bytes_in_use=pool.peak_bytes_in_use,
             pinned_allocations=pool.allocations,
+            pinned_alloc_ms=pool.alloc_seconds * 1e3,
             pinned_failures=pool.failures,
             max_inflight_groups=self._stats_max_inflight,
             handlers=self._stats_handlers,
@@ -457,10 +458,6 @@ class PipelineOffloadManager:
         """Handlers not yet retired (their saved tensors are still referenced by autograd)."""
         self._process_retired()
         return list(self._handlers)
-
-    @property
-    def suppressed(self) -> bool:
-        return self._suppress > 0
 
     @property
     def in_group(self) -> bool:

@@ -54,7 +54,12 @@ class GroupStats:
 
 @dataclass
 class IterationStats:
-    """Returned by ``end_iteration()``; ``by_name`` maps each group name to `GroupStats`."""
+    """Returned by ``end_iteration()``; ``by_name`` maps each group name to `GroupStats`.
+
+    The ``pinned_*`` fields describe the pinned host pool since it was created: its bytes and
+    buffers, the most bytes in use at once, and how many allocations it made and how long they
+    took (pinning costs about 0.4 ms per MiB; in steady state the count stops growing).
+    """
 
     iteration: int = 0
     by_name: dict[str, GroupStats] = field(default_factory=dict)
@@ -62,6 +67,7 @@ class IterationStats:
     pinned_buffers: int = 0
     pinned_peak_bytes_in_use: int = 0
     pinned_allocations: int = 0
+    pinned_alloc_ms: float = 0.0
     pinned_failures: int = 0
     max_inflight_groups: int = 0
     handlers: int = 0

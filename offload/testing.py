@@ -10,7 +10,7 @@ function of its inputs, which is what bitwise comparisons need.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -197,8 +197,3 @@ def saved_bytes_by_name(model: nn.Module, mapping: dict[str, str], run: Callable
         for h in hooks:
             h.remove()
     return totals
-
-
-def names(mapping: dict[str, str], keys: Iterable[str]) -> dict[str, str]:
-    """The sub-mapping of ``mapping`` for ``keys``."""
-    return {k: mapping[k] for k in keys}
