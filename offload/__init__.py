@@ -18,13 +18,14 @@ See ``docs/design.md`` for how the engine works.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 
 from .chunk_handler import ChunkOffloadHandler
 from .config import DEFAULT_MIN_TENSOR_BYTES, OffloadConfig, parse_module_list
 from .errors import OffloadError, SavedTensorModifiedError, UnknownModuleError
+from .group_policy import GroupInfo, GroupPolicy
 from .manager import PipelineOffloadManager
 from .regions import AttachHandle, attach, group, mark_not_offload, never_offload
 from .stats import GroupStats, IterationStats
@@ -34,6 +35,8 @@ __version__ = "0.1.0"
 __all__ = [
     "AttachHandle",
     "ChunkOffloadHandler",
+    "GroupInfo",
+    "GroupPolicy",
     "GroupStats",
     "IterationStats",
     "OffloadConfig",
@@ -51,6 +54,7 @@ __all__ = [
     "never_offload",
     "parse_module_list",
     "reset",
+    "set_schedule",
 ]
 
 
@@ -61,11 +65,13 @@ def configure(
     max_inflight_groups: int = 1,
     max_pinned_bytes: int | None = None,
     timing: bool = True,
+    policy: GroupPolicy | None = None,
     device: torch.device | str | None = None,
 ) -> PipelineOffloadManager:
     """Install the process-wide engine with a new `OffloadConfig` (see its fields).
 
     ``modules`` takes ``"core_attn,expert_fc1"``, ``"core_attn expert_fc1"`` or a list.
+    ``policy`` picks which of those groups to offload (`offload.group_policy`; default: all).
     ``device`` defaults to the current CUDA device, or the CPU fallback without CUDA.
     """
     config = OffloadConfig(
@@ -74,6 +80,7 @@ def configure(
         max_inflight_groups=max_inflight_groups,
         max_pinned_bytes=max_pinned_bytes,
         timing=timing,
+        policy=policy,
     )
     return PipelineOffloadManager.configure(config, device)
 
@@ -86,6 +93,16 @@ def get_manager() -> PipelineOffloadManager:
 def begin_chunk(chunk_id: int = 0, microbatch: int | None = None) -> None:
     """The forward of a model chunk for a new microbatch begins (for pipeline schedules)."""
     PipelineOffloadManager.get().begin_chunk(chunk_id, microbatch)
+
+
+def set_schedule(order: Sequence[int] | None) -> None:
+    """Hand over this rank's pipeline schedule (Megatron's signed ``order``), or ``None``.
+
+    Optional: without it the engine infers the backward order from the chunk forwards.
+    With it, every cross-chunk reload is prefetched and the forwards are checked against it.
+    `offload.schedules.schedule_order` makes the order from (PP, VPP, microbatches, rank).
+    """
+    PipelineOffloadManager.get().set_schedule(order)
 
 
 def end_iteration() -> IterationStats:

@@ -4,8 +4,9 @@ A handler is created when a chunk's forward for a microbatch begins (an explicit
 ``begin_chunk`` call, the root-module hook installed by `offload.attach`, or implicitly by
 the first group after the previous handler's backward began). It
 
-* numbers its groups per name (``core_attn/L0``, ``core_attn/L1``, ...) and links each group
-  to the previous group of the same name, which is the group backward needs one layer later;
+* numbers the invocations of each name (``core_attn/L0``, ``core_attn/L1``, ...) and links
+  each offloaded group to the previous one of the same name, which is the group backward
+  needs one layer later;
 * defers the offload of the newest group of each name until the next group of that name
   closes, so the chunk's last group of each name is decided only when the engine sees what
   follows the chunk's forward (the last-layer rule);
@@ -13,6 +14,8 @@ the first group after the previous handler's backward began). It
 
 Its phase moves FORWARD -> FORWARD_DONE -> BACKWARD, or FORWARD -> BACKWARD directly when the
 chunk's backward immediately follows its forward, which is when the pending groups are kept.
+The manager keeps its handlers sorted by ``sort_key``, the position of their backward in the
+rank's schedule (see `PipelineOffloadManager`), so its deque lists them in backward order.
 """
 
 from __future__ import annotations
@@ -38,11 +41,25 @@ class HandlerPhase(enum.IntEnum):
 class ChunkOffloadHandler:
     """The offload groups of one (model chunk, microbatch) forward."""
 
-    def __init__(self, manager: "PipelineOffloadManager", chunk_id: int, microbatch: int) -> None:
+    def __init__(
+        self,
+        manager: "PipelineOffloadManager",
+        chunk_id: int,
+        microbatch: int,
+        iteration: int = 0,
+        phase: str = "warmup",
+        live: int = 1,
+        sort_key: tuple = (),
+    ) -> None:
         self.manager = manager
         self.chunk_id = chunk_id
         self.microbatch = microbatch
+        self.iteration = iteration
+        self.schedule_phase = phase
+        self.live = live
+        self.sort_key = sort_key
         self.phase = HandlerPhase.FORWARD
+        self.invocations: dict[str, int] = {}
         self.groups: list[OffloadGroup] = []
         self.last_of_name: dict[str, OffloadGroup] = {}
         self.pending: dict[str, OffloadGroup] = {}
@@ -51,14 +68,20 @@ class ChunkOffloadHandler:
 
     def __repr__(self) -> str:
         return (
-            f"ChunkOffloadHandler(chunk={self.chunk_id}, mb={self.microbatch}, "
+            f"ChunkOffloadHandler(chunk={self.chunk_id}, mb={self.microbatch}, it={self.iteration}, "
             f"phase={self.phase.name}, groups={len(self.groups)}, alive={self.alive})"
         )
 
-    def new_group(self, name: str) -> OffloadGroup:
-        """Open the next group of ``name``, linked to the previous group of that name."""
+    def next_layer(self, name: str) -> int:
+        """Count one more invocation of ``name`` in this chunk forward; return its index."""
+        layer = self.invocations.get(name, 0)
+        self.invocations[name] = layer + 1
+        return layer
+
+    def new_group(self, name: str, layer: int) -> OffloadGroup:
+        """Open the offload group of invocation ``layer`` of ``name``, linked to the previous
+        offloaded group of that name."""
         prev = self.last_of_name.get(name)
-        layer = prev.layer + 1 if prev is not None else 0
         group = OffloadGroup(name, layer, self, prev)
         self.groups.append(group)
         self.last_of_name[name] = group
@@ -120,6 +143,7 @@ class ChunkOffloadHandler:
 
     def clear(self) -> None:
         self.groups.clear()
+        self.invocations.clear()
         self.last_of_name.clear()
         self.pending.clear()
         self._records.clear()

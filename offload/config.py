@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from .errors import UnknownModuleError
+from .group_policy import GroupPolicy
 
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
 
@@ -76,10 +77,16 @@ class OffloadConfig:
             that leaves the copy about a layer of compute. Raise it when the host is the
             bottleneck and several names are offloaded per layer (waits show up as
             ``offload_wait_ms``); each extra group in flight costs its bytes at the peak.
+            The last groups of a chunk, whose copies start when the chunk's forward is over,
+            do not make the compute stream wait at once: the bound is applied to them when the
+            next group opens, so a pipeline's backward never stalls on a copy just started.
         max_pinned_bytes: a cap on the pinned host pool; past it tensors stay on the GPU (with
             one warning). ``None`` means no cap.
         timing: record CUDA events around copies and waits so that statistics report copy
             bandwidth and the time the compute stream waited. Costs a few events per group.
+        policy: which groups of the enabled names to offload, decided per group from its
+            `GroupInfo` (layer, chunk, microbatch, schedule phase, live microbatches); see
+            `offload.group_policy`. ``None`` offloads all of them.
     """
 
     modules: tuple[str, ...] = ()
@@ -87,6 +94,7 @@ class OffloadConfig:
     max_inflight_groups: int = 1
     max_pinned_bytes: int | None = None
     timing: bool = True
+    policy: GroupPolicy | None = None
     enabled: frozenset = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -99,6 +107,10 @@ class OffloadConfig:
         if not isinstance(self.max_inflight_groups, int) or self.max_inflight_groups < 1:
             raise ValueError(
                 f"offload: max_inflight_groups must be an int >= 1, got {self.max_inflight_groups!r}"
+            )
+        if self.policy is not None and not callable(self.policy):
+            raise TypeError(
+                f"offload: policy must be a callable (GroupInfo) -> bool or None, got {self.policy!r}"
             )
         if self.max_pinned_bytes is not None and (
             not isinstance(self.max_pinned_bytes, int) or self.max_pinned_bytes < 0

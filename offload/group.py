@@ -92,6 +92,11 @@ class TensorRecord:
         storage = self.src.untyped_storage()
         return torch._C._storage_Use_Count(storage._cdata) - 1 > our_aliases
 
+    def discarded(self) -> bool:
+        """Whether the storage was shrunk after it was saved: a recompute mechanism (megatron's
+        ``CheckpointWithoutOutput``) freed it and refills it before backward needs it."""
+        return self.src.untyped_storage().nbytes() < (self.start + self.numel) * self.src.element_size()
+
     def source_span(self) -> torch.Tensor:
         return self.src.as_strided((self.numel,), (1,), self.start)
 
@@ -99,11 +104,13 @@ class TensorRecord:
         """Whether a tensor of ``version`` spanning [start, start+numel) can reuse this record.
 
         Only while the storage is provably alive (we hold it, or a weak reference to the saved
-        tensor is alive): an address reused after a free is another tensor.
+        tensor is alive) and still at this address: an address reused after a free, or after
+        the storage was shrunk (``resize_(0)`` by a recompute mechanism), is another tensor.
         """
         if version != self.version or start < self.start or start + numel > self.start + self.numel:
             return False
-        return self.src is not None or self.src_ref() is not None
+        t = self.src if self.src is not None else self.src_ref()
+        return t is not None and t.untyped_storage().data_ptr() == self.ptr
 
     def check_version(self, label: str) -> None:
         """Raise if the saved tensor was changed in place since it was saved."""
@@ -220,7 +227,7 @@ class OffloadGroup:
             rec.note_version()
             if rec.src is None or rec.alive == 0:
                 continue
-            if rec.held_elsewhere(self.handler.live_aliases(rec.ptr)):
+            if rec.discarded() or rec.held_elsewhere(self.handler.live_aliases(rec.ptr)):
                 shared += rec.nbytes
                 continue
             rec.host = pool.acquire(rec.nbytes, streams.is_capturing())

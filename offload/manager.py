@@ -2,8 +2,17 @@
 
 It owns the copy streams, the pinned host pool, the tensor policy, the deque of
 `ChunkOffloadHandler`s in backward order, the statistics, and the two saved-tensor hooks.
-Frameworks talk to it through a handful of entry points: `begin_chunk`, `end_iteration`,
-`reset` (and the region API in `offload.regions`, which calls `open_group`/`close_group`).
+Frameworks talk to it through a handful of entry points: `begin_chunk`, `set_schedule`,
+`end_iteration`, `reset` (and the region API in `offload.regions`, which calls
+`open_group`/`close_group`).
+
+Pipeline schedules. Each (chunk, microbatch) forward gets a handler; the deque keeps them in
+the order their backwards will run: the schedule's own order when the framework handed it
+over (`set_schedule`), otherwise Megatron's rule for interleaved 1F1B, *reverse virtual
+stage, forward microbatch* within each group of microbatches (the group size is learned from
+the forwards: how many microbatches chunk 0 runs before chunk 1 starts). After a chunk's
+backward the engine prefetches the last groups of the chunk whose backward runs next, so a
+chunk's reloads overlap the next chunk's forward and its offloads.
 
 The four synchronization rules (all with events; the host never waits):
 
@@ -22,9 +31,10 @@ And: a GPU tensor that was copied out is dropped only when its D2H copy is known
 
 from __future__ import annotations
 
+import bisect
 import warnings
 from collections import defaultdict, deque
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -33,8 +43,10 @@ from .chunk_handler import ChunkOffloadHandler, HandlerPhase
 from .config import OffloadConfig, check_known
 from .errors import OffloadError
 from .group import GroupState, KeptTensor, OffloadGroup, SavedHandle
+from .group_policy import GroupInfo
 from .pinned_pool import PinnedHostPool
 from .policy import TensorPolicy
+from .schedules import ForwardStep, SchedulePlan
 from .stats import GroupStats, IterationStats
 from .streams import make_streams
 
@@ -67,6 +79,7 @@ class PipelineOffloadManager:
         self.policy = TensorPolicy(self.streams.owns, config.min_tensor_bytes)
         self._timing = config.timing and self.streams.is_cuda
         self._enabled = config.enabled
+        self._policy = config.policy
         if not self.streams.is_cuda and config.enabled:
             warnings.warn(
                 "offload: no CUDA device; the CPU fallback runs the engine with host copies "
@@ -82,10 +95,12 @@ class PipelineOffloadManager:
         self._inflight: deque[OffloadGroup] = deque()
         self._retire_candidates: list[ChunkOffloadHandler] = []
         self._suppress = 0
-        self._microbatches: dict[int, int] = defaultdict(int)
+        self._plan: SchedulePlan | None = None
+        self._num_chunks = 0
         self.declared_names: set[str] = set()
         self._names_checked = False
         self.iteration = 0
+        self._new_iteration_state()
         self._new_iteration_stats()
 
     # ------------------------------------------------------------------ framework entry points
@@ -93,7 +108,9 @@ class PipelineOffloadManager:
         """Say that the forward of model chunk ``chunk_id`` for a new microbatch begins.
 
         Pipeline schedules call this before each chunk forward (`offload.attach` does it from
-        the root module's forward pre-hook). Under ``no_grad`` it does nothing.
+        the root module's forward pre-hook). ``microbatch`` defaults to the chunk's count of
+        forwards in this iteration. Under ``no_grad`` it does nothing. With a schedule given
+        (`set_schedule`), a chunk that is not the schedule's next forward raises `OffloadError`.
         """
         if not torch.is_grad_enabled():
             return
@@ -104,7 +121,25 @@ class PipelineOffloadManager:
         self._process_retired()
         if self._forward is not None:
             self._finish_forward(self._forward)
-        self._forward = self._new_handler(chunk_id, microbatch)
+        self._forward = self._start_chunk(chunk_id, microbatch)
+
+    def set_schedule(self, order: Sequence[int] | None) -> None:
+        """Hand over the rank's schedule: Megatron's ``order`` of signed chunk ids (``+c``
+        forward of chunk ``c - 1``, ``-c`` its backward; see `offload.schedules`), or ``None``.
+
+        It holds for every following iteration until replaced. With it the engine knows, not
+        guesses, which chunk's backward runs next (so every cross-chunk reload is prefetched),
+        gives policies each forward's phase and the rank's peak of live microbatches, and
+        checks that the chunk forwards that run are the ones the order says (`OffloadError`
+        otherwise). Iterations under ``no_grad`` (evaluation) are not counted. Without it the
+        engine infers the backward order from the forwards (see the module docstring).
+        """
+        if self._forward_index:
+            raise OffloadError(
+                f"offload: set_schedule() called after {self._forward_index} chunk forward(s) of "
+                "this iteration; call it before the iteration's first forward"
+            )
+        self._plan = None if order is None else SchedulePlan(order)
 
     def end_iteration(self) -> IterationStats:
         """Close the iteration: finish pending work, retire handlers whose graphs are gone,
@@ -121,11 +156,17 @@ class PipelineOffloadManager:
             self._finish_forward(self._forward)
             self._forward = None
         self._process_retired()
-        self._check_names()
+        ran, plan = self._forward_index, self._plan
         stats = self._collect_stats()
-        self._microbatches.clear()
         self.iteration += 1
+        self._new_iteration_state()
         self._new_iteration_stats()
+        if plan is not None and ran not in (0, len(plan)):
+            raise OffloadError(
+                f"offload: the iteration ran {ran} chunk forwards, but the schedule given to "
+                f"set_schedule() has {len(plan)}; pass each iteration's order (or None)"
+            )
+        self._check_names()
         return stats
 
     def reset(self, release_pool: bool = False) -> None:
@@ -146,7 +187,7 @@ class PipelineOffloadManager:
         self._open.clear()
         self._names_open.clear()
         self._suppress = 0
-        self._microbatches.clear()
+        self._new_iteration_state()
         if release_pool:
             if self.streams.is_cuda:
                 torch.cuda.synchronize(self.device)
@@ -160,8 +201,10 @@ class PipelineOffloadManager:
 
     # ------------------------------------------------------------------ group boundaries
     def open_group(self, name: str) -> OffloadGroup | None:
-        """Start the group ``name``; returns ``None`` when it does not offload (name not
-        enabled, no autograd graph is being recorded, or a recompute runs inside backward)."""
+        """Start the group ``name``; returns ``None`` when it does not offload: the name is
+        not enabled, no autograd graph is being recorded, a recompute runs inside backward,
+        the group is inside a ``torch.utils.checkpoint`` region (whose tensors are recomputed,
+        not saved), or the group policy declines it."""
         if name in self._names_open:
             raise OffloadError(
                 f"offload: group {name!r} opened inside a group of the same name; "
@@ -173,13 +216,23 @@ class PipelineOffloadManager:
             return None
         if torch._C._current_graph_task_id() != -1:
             return None  # a recompute inside backward: what it saves is needed right away
+        if _inside_checkpoint():
+            self._stats[name].groups_recomputed += 1
+            return None
         self._process_retired()
         handler = self._forward
         if handler is None:
-            handler = self._forward = self._new_handler(0, None)
+            handler = self._forward = self._start_chunk(0, None)
         elif handler.phase is not HandlerPhase.FORWARD:
             raise AssertionError(f"forward handler in phase {handler.phase.name}")
-        group = handler.new_group(name)
+        layer = handler.next_layer(name)
+        if self._policy is not None and not self._policy(self._group_info(handler, name, layer)):
+            self._stats[name].groups_declined += 1
+            return None
+        self._poll_inflight()
+        while len(self._inflight) > self.config.max_inflight_groups:
+            self._release(self._inflight.popleft(), wait=True)
+        group = handler.new_group(name, layer)
         group.stream = self.streams.current()
         self._open.append(group)
         self._hooks.__enter__()
@@ -212,10 +265,12 @@ class PipelineOffloadManager:
             self._begin_backward(handler)
         target = group.prev_same
         if target is None:
-            nxt = self._next_in_backward_order(handler)
-            target = nxt.last_of_name.get(group.name) if nxt is not None else None
+            nxt = self._backward_successor(handler)
+            if nxt is not None and nxt.phase is HandlerPhase.FORWARD_DONE:
+                target = nxt.last_of_name.get(group.name)
         if target is not None and target.state is GroupState.OFFLOADED and target.needs_reload():
             self._reload(target, prefetch=True)
+        self._poll_inflight()
 
     # ------------------------------------------------------------------ saved-tensor hooks
     def _pack(self, t: torch.Tensor) -> Any:
@@ -270,32 +325,134 @@ class PipelineOffloadManager:
         return out
 
     # ------------------------------------------------------------------ internals
-    def _new_handler(self, chunk_id: int, microbatch: int | None) -> ChunkOffloadHandler:
+    def _new_iteration_state(self) -> None:
+        """Forget what the current iteration's schedule looked like (not its handlers)."""
+        self._microbatches: dict[int, int] = defaultdict(int)
+        self._by_key: dict[tuple[int, int], ChunkOffloadHandler] = {}
+        self._forward_index = 0
+        self._group_size: int | None = None
+        self._max_table_key: tuple[int, int, int] | None = None
+        self._live = 0
+        self._backward_started = False
+
+    def _start_chunk(self, chunk_id: int, microbatch: int | None) -> ChunkOffloadHandler:
+        """A new chunk forward: check it against the schedule, make and queue its handler."""
+        step: ForwardStep | None = None
+        plan = self._plan
+        if plan is not None:
+            i = self._forward_index
+            if i >= len(plan):
+                raise OffloadError(
+                    f"offload: chunk forward {i + 1} of this iteration began, but the schedule given "
+                    f"to set_schedule() has {len(plan)}; pass this iteration's order (or None)"
+                )
+            step = plan.forwards[i]
+            if chunk_id != step.chunk_id or microbatch not in (None, step.microbatch):
+                got = f"chunk {chunk_id}" + ("" if microbatch is None else f", microbatch {microbatch}")
+                raise OffloadError(
+                    f"offload: forward {i} of the schedule is chunk {step.chunk_id}, microbatch "
+                    f"{step.microbatch}, but {got} began: the order given to set_schedule() is "
+                    "not what runs"
+                )
+            microbatch = step.microbatch
         if microbatch is None:
             microbatch = self._microbatches[chunk_id]
         self._microbatches[chunk_id] = microbatch + 1
-        handler = ChunkOffloadHandler(self, chunk_id, microbatch)
-        self._handlers.append(handler)
+        self._forward_index += 1
+        if chunk_id > 0 and self._group_size is None and self._microbatches.get(0):
+            self._group_size = self._microbatches[0]
+        self._num_chunks = max(self._num_chunks, chunk_id + 1)
+        table_key = self._table_key(chunk_id, microbatch)
+        if self._max_table_key is None or table_key > self._max_table_key:
+            self._max_table_key = table_key
+        self._live += 1
+        if plan is not None:
+            sort_key: tuple = (self.iteration, plan.backward_index[(chunk_id, microbatch)])
+        else:
+            group = 0 if self._group_size is None else microbatch // self._group_size
+            sort_key = (self.iteration, group, -chunk_id, microbatch)
+        handler = ChunkOffloadHandler(
+            self, chunk_id, microbatch, self.iteration,
+            step.phase if step else ("steady" if self._backward_started else "warmup"),
+            step.live if step else self._live,
+            sort_key,
+        )
+        bisect.insort(self._handlers, handler, key=_sort_key)
+        self._by_key[(chunk_id, microbatch)] = handler
         self._stats_handlers += 1
         return handler
 
+    def _table_key(self, chunk_id: int, microbatch: int) -> tuple[int, int, int]:
+        """Where a forward sits in the schedule table: groups of microbatches, chunk by chunk."""
+        group = 0 if self._group_size is None else microbatch // self._group_size
+        return (group, chunk_id, microbatch)
+
+    def _backward_successor(self, handler: ChunkOffloadHandler) -> ChunkOffloadHandler | None:
+        """The handler whose backward runs right after ``handler``'s, if it is known and exists.
+
+        With a schedule this is a lookup. Without one, step through the backward order of
+        the interleaved schedule (this group's chunks from the last to the first, each over
+        the group's microbatches in order; then the next group) and take the first handler
+        that exists; a candidate that does not exist is skipped only when a forward later in
+        the schedule table already ran (so it never will), else the answer is unknown.
+        """
+        if handler.iteration != self.iteration:
+            return None
+        if self._plan is not None:
+            key = self._plan.successor(handler.chunk_id, handler.microbatch)
+            return self._by_key.get(key) if key is not None else None
+        size, chunks = self._group_size, self._num_chunks
+        chunk, mb = handler.chunk_id, handler.microbatch
+        while True:
+            if size is None:
+                mb += 1
+            else:
+                first = mb // size * size
+                if mb + 1 < first + size:
+                    mb += 1
+                elif chunk > 0:
+                    chunk, mb = chunk - 1, first
+                else:
+                    chunk, mb = chunks - 1, first + size
+            found = self._by_key.get((chunk, mb))
+            if found is not None:
+                return found
+            if self._max_table_key is None or self._table_key(chunk, mb) >= self._max_table_key:
+                return None
+
+    def _group_info(self, handler: ChunkOffloadHandler, name: str, layer: int) -> GroupInfo:
+        return GroupInfo(
+            name=name,
+            layer=layer,
+            chunk_id=handler.chunk_id,
+            microbatch=handler.microbatch,
+            phase=handler.schedule_phase,  # type: ignore[arg-type]
+            live=handler.live,
+            max_live=self._plan.max_live if self._plan is not None else None,
+            iteration=handler.iteration,
+        )
+
     def _finish_forward(self, handler: ChunkOffloadHandler) -> None:
         """Something other than this chunk's own backward follows its forward: offload the
-        groups it kept pending."""
+        groups it kept pending. Their copies just started, so the compute stream does not wait
+        for them here; the in-flight bound applies to them when the next group opens."""
         if handler.phase is HandlerPhase.FORWARD:
             handler.phase = HandlerPhase.FORWARD_DONE
             pending = list(handler.pending.values())
             handler.pending.clear()
             for group in pending:
-                self._launch(group)
+                self._launch(group, bound=False)
         if self._forward is handler:
             self._forward = None
 
     def _begin_backward(self, handler: ChunkOffloadHandler) -> None:
         """The first backward activity of ``handler``. If its forward was the last thing that
-        ran, its pending groups (the last group of each name) stay on the GPU. Any other
-        handler still in forward is finished, and every copy still in flight is waited for
-        (on the GPU) so the backward starts with the offloaded memory freed."""
+        ran, its pending groups (the last group of each name) stay on the GPU. The copies in
+        flight, started during the last forward, are waited for (on the GPU) so the backward
+        starts with that memory freed; then any other handler still in forward is finished,
+        and its last groups copy out while this backward runs."""
+        while self._inflight:
+            self._release(self._inflight.popleft(), wait=True)
         if handler.phase is HandlerPhase.FORWARD:
             for group in handler.pending.values():
                 group.state = GroupState.KEPT
@@ -306,10 +463,11 @@ class PipelineOffloadManager:
         elif self._forward is not None:
             self._finish_forward(self._forward)
         handler.phase = HandlerPhase.BACKWARD
-        while self._inflight:
-            self._release(self._inflight.popleft(), wait=True)
+        if handler.iteration == self.iteration:
+            self._live -= 1
+            self._backward_started = True
 
-    def _launch(self, group: OffloadGroup) -> None:
+    def _launch(self, group: OffloadGroup, bound: bool = True) -> None:
         nvtx.push("offload/" + group.label)
         nbytes, shared = group.launch_offload(self.streams, self.pool, self._timing)
         nvtx.pop()
@@ -326,7 +484,7 @@ class PipelineOffloadManager:
         self._inflight.append(group)
         if len(self._inflight) > self._stats_max_inflight:
             self._stats_max_inflight = len(self._inflight)
-        while len(self._inflight) > self.config.max_inflight_groups:
+        while bound and len(self._inflight) > self.config.max_inflight_groups:
             self._release(self._inflight.popleft(), wait=True)
 
     def _poll_inflight(self) -> None:
@@ -368,16 +526,6 @@ class PipelineOffloadManager:
         else:
             stream.wait_event(event)
 
-    def _next_in_backward_order(self, handler: ChunkOffloadHandler) -> ChunkOffloadHandler | None:
-        handlers = self._handlers
-        for i, h in enumerate(handlers):
-            if h is handler:
-                for nxt in list(handlers)[i + 1:]:
-                    if nxt.phase is HandlerPhase.FORWARD_DONE:
-                        return nxt
-                return None
-        return None
-
     def _process_retired(self) -> None:
         """Retire handlers whose saved tensors were all freed by autograd. Runs only at safe
         points (never from a handle's ``__del__``), and never on the chunk still in forward."""
@@ -415,6 +563,9 @@ class PipelineOffloadManager:
             self._handlers.remove(handler)
         except ValueError:
             pass
+        key = (handler.chunk_id, handler.microbatch)
+        if self._by_key.get(key) is handler:
+            del self._by_key[key]
 
     def _check_names(self) -> None:
         if self._names_checked or not self.config.modules:
@@ -454,8 +605,14 @@ class PipelineOffloadManager:
 
     # ------------------------------------------------------------------ introspection
     @property
+    def schedule(self) -> SchedulePlan | None:
+        """The schedule given to `set_schedule`, digested (``None`` if none)."""
+        return self._plan
+
+    @property
     def live_handlers(self) -> list[ChunkOffloadHandler]:
-        """Handlers not yet retired (their saved tensors are still referenced by autograd)."""
+        """Handlers not yet retired (their saved tensors are still referenced by autograd),
+        in the order their backwards run."""
         self._process_retired()
         return list(self._handlers)
 
@@ -463,3 +620,20 @@ class PipelineOffloadManager:
     def in_group(self) -> bool:
         """Whether a group (enabled or not) is open on this manager."""
         return bool(self._names_open)
+
+
+def _sort_key(handler: ChunkOffloadHandler) -> tuple:
+    return handler.sort_key
+
+
+def _inside_checkpoint() -> bool:
+    """Whether the innermost saved-tensor hooks are those of a non-reentrant
+    `torch.utils.checkpoint` forward, which drops what is saved and recomputes it (a reentrant
+    checkpoint's forward runs under ``no_grad`` and needs no check)."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if top is None:
+        return False
+    pack = top[0]
+    return getattr(pack, "__module__", None) == "torch.utils.checkpoint" and getattr(
+        pack, "__qualname__", ""
+    ).startswith("_checkpoint_hook.")

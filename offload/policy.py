@@ -6,8 +6,10 @@ A saved tensor is offloaded only if all of these hold:
   (``nn.Parameter``), fake/functional tensors and tensor subclasses stay;
 * it lives on the engine's device;
 * it holds at least ``min_tensor_bytes``;
-* it is not a leaf that requires grad (a parameter or a user input: someone else holds it,
-  so offloading would copy bytes and free nothing), nor a view of one (``weight.t()``
+* it is not a leaf that requires grad (a parameter, a user input, or the detached inputs a
+  recompute saves, as megatron's ``CheckpointWithoutOutput`` does): autograd's saved
+  variable keeps such a leaf itself, hooks or not, so offloading would copy bytes and free
+  nothing; nor a view of one (``weight.t()``
   saved by ``addmm`` is a view of the weight, not an ``nn.Parameter``);
 * its storage is not marked never-offload and is not the storage of a registered
   parameter (this catches parameter views made without autograd, e.g. under ``no_grad``).

@@ -11,7 +11,9 @@ parameters alone, with the same conventions as megatron-core (checked against me
 * `table_to_order` / `schedule_order`: the rank's *order*, a list of signed chunk ids
   (``+c``: forward of local chunk ``c - 1``; ``-c``: its backward), in the format that
   Transformer Engine's ``make_graphed_callables`` and Megatron's CUDA graphs use;
-* `schedule_events`, `backward_order`, `kept_last_group`: what an order means.
+* `schedule_events`, `backward_order`, `kept_last_group`: what an order means;
+* `SchedulePlan`: all of that for one order, in the form the engine looks it up at run time
+  (``offload.set_schedule(order)``).
 
 Terms: ``pp_size`` pipeline ranks; ``vpp_size`` model chunks per rank (virtual pipeline
 size; 1 is the plain, non-interleaved 1F1B schedule); ``num_microbatches`` microbatches per
@@ -22,9 +24,11 @@ default ``pp_size``).
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import Literal, Sequence
 
 __all__ = [
+    "SchedulePlan",
     "backward_order",
     "kept_last_group",
     "num_warmup_microbatches",
@@ -173,6 +177,69 @@ def kept_last_group(order: list[int]) -> list[bool]:
         kind == "F" and pos + 1 < len(events) and events[pos + 1] == ("B", chunk, mb)
         for pos, (kind, chunk, mb) in enumerate(events)
     ]
+
+
+@dataclass(frozen=True)
+class ForwardStep:
+    """What the schedule says about one chunk forward of a rank's order."""
+
+    chunk_id: int
+    microbatch: int
+    phase: Literal["warmup", "steady"]
+    """``warmup`` before the rank's first backward of the iteration, ``steady`` after it."""
+    live: int
+    """Chunk forwards whose backward has not run yet, this one included."""
+    keeps_last_group: bool
+    """The chunk's own backward comes next (the last-layer rule keeps its last groups)."""
+
+
+class SchedulePlan:
+    """A rank's order, digested for the engine: each forward's position and phase, and the
+    backward order of the (chunk, microbatch) pairs with each one's successor.
+
+    The engine checks the forwards it sees against `forwards`, and after a chunk's backward
+    prefetches the first groups of `successor` (the chunk whose backward runs next).
+    """
+
+    def __init__(self, order: Sequence[int]) -> None:
+        order = [int(c) for c in order]
+        events = schedule_events(order)
+        forwards = {(c, m) for kind, c, m in events if kind == "F"}
+        backwards = {(c, m) for kind, c, m in events if kind == "B"}
+        if forwards != backwards:
+            missing = sorted(forwards - backwards)
+            raise ValueError(
+                f"order runs forwards without their backwards (chunk, microbatch): {missing[:4]}"
+            )
+        kept = kept_last_group(order)
+        self.order = order
+        self.forwards: list[ForwardStep] = []
+        self.backwards: list[tuple[int, int]] = []
+        live = 0
+        for (kind, chunk, mb), keep in zip(events, kept):
+            if kind == "F":
+                live += 1
+                phase: Literal["warmup", "steady"] = "steady" if self.backwards else "warmup"
+                self.forwards.append(ForwardStep(chunk, mb, phase, live, keep))
+            else:
+                live -= 1
+                self.backwards.append((chunk, mb))
+        self.max_live = max((f.live for f in self.forwards), default=0)
+        self.backward_index = {key: i for i, key in enumerate(self.backwards)}
+        self.num_chunks = 1 + max((abs(c) - 1 for c in order), default=0)
+
+    def successor(self, chunk_id: int, microbatch: int) -> tuple[int, int] | None:
+        """The (chunk, microbatch) whose backward runs right after this one's, if any."""
+        i = self.backward_index.get((chunk_id, microbatch))
+        if i is None or i + 1 >= len(self.backwards):
+            return None
+        return self.backwards[i + 1]
+
+    def __len__(self) -> int:
+        return len(self.forwards)
+
+    def __repr__(self) -> str:
+        return f"SchedulePlan(forwards={len(self.forwards)}, chunks={self.num_chunks}, max_live={self.max_live})"
 
 
 def _warmup(pp_size: int, vpp_size: int, num_microbatches: int, rank: int, group: int) -> int:

@@ -17,12 +17,17 @@ class GroupStats:
     backward asked for before anything had prefetched them (their copy could not overlap).
     ``bytes_held_elsewhere`` are bytes the groups saved that something else still held when
     their copy was due (typically a module that is not offloaded saved the same tensor):
-    they stay on the GPU, because copying them would free nothing.
+    they stay on the GPU, because copying them would free nothing. ``groups_declined`` counts
+    groups the configured `GroupPolicy` left on the GPU; ``groups_recomputed`` groups that
+    opened inside a ``torch.utils.checkpoint`` region, which recomputes their tensors (so
+    they are not offloaded).
     """
 
     groups: int = 0
     groups_offloaded: int = 0
     groups_kept: int = 0
+    groups_declined: int = 0
+    groups_recomputed: int = 0
     tensors_offloaded: int = 0
     bytes_offloaded: int = 0
     bytes_reloaded: int = 0

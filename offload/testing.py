@@ -100,6 +100,46 @@ class GPTLayerStack(nn.Module):
         return self.final_layernorm(x)
 
 
+class Recomputed(nn.Module):
+    """Runs ``inner`` under non-reentrant `torch.utils.checkpoint`: what it saves is dropped
+    after forward and recomputed in backward; only its inputs are saved."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.inner, *args, use_reentrant=False)
+
+
+def recompute(model: nn.Module, pattern: str) -> list[str]:
+    """Wrap every submodule of ``model`` whose qualified name matches ``pattern`` (fnmatch)
+    in `Recomputed`, in place; the wrapper takes the module's name, so mappings that name it
+    still match. Submodules of a wrapped module are not wrapped again.
+    ``recompute(m, "layers.*.input_layernorm")`` recomputes the norms, ``recompute(m,
+    "layers.*")`` whole layers (full recompute). Returns the wrapped names."""
+    import fnmatch
+
+    wrapped = []
+    for qn, module in list(model.named_modules()):
+        inside = any(qn.startswith(w + ".") for w in wrapped)
+        if qn and not inside and fnmatch.fnmatchcase(qn, pattern):
+            parent_name, _, attr = qn.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, attr, Recomputed(module))
+            wrapped.append(qn)
+    if not wrapped:
+        raise ValueError(f"recompute: {pattern!r} matches no submodule of {type(model).__name__}")
+    return wrapped
+
+
+LIGHT_MODULES = ("layers.*.input_layernorm", "layers.*.pre_mlp_layernorm", "layers.*.mlp.activation")
+"""The cheap modules of a `GPTLayerStack` layer, recomputed in a "memory-free" layer while
+the others are offloaded."""
+
+
 class Clock:
     """Timestamps: CUDA events on the current stream, or ``perf_counter`` on CPU."""
 
@@ -143,6 +183,50 @@ def train_step(model: nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> tup
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
     grads["<input>"] = x.grad.detach().clone()
     return out.detach(), grads
+
+
+def replay_order(
+    chunks: list[nn.Module],
+    order: list[int],
+    shape: tuple[int, ...],
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    on_event: Callable[[str, int, int], None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Run one pipeline rank's ``order`` (see `offload.schedules`) on its model ``chunks``.
+
+    Random inputs (``shape``) stand in for the activations the previous rank sends, random
+    output gradients for the gradients the next rank sends back, both drawn from ``seed`` in
+    the order's sequence, so the same call gives the same numbers with or without
+    offloading. ``on_event(kind, chunk, microbatch)`` runs after each forward ("F") and
+    backward ("B"). Returns every chunk's parameter gradients (``"<chunk>.<name>"``, summed
+    over microbatches, as a pipeline rank accumulates them) and each input gradient
+    (``"<input c<chunk> mb<mb>>"``).
+    """
+    from .schedules import schedule_events
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for chunk in chunks:
+        chunk.zero_grad(set_to_none=False)
+    pending: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    grads: dict[str, torch.Tensor] = {}
+    for kind, chunk, mb in schedule_events(order):
+        if kind == "F":
+            x = torch.randn(shape, generator=gen, device=device, dtype=dtype).requires_grad_(True)
+            pending[(chunk, mb)] = (x, chunks[chunk](x))
+        else:
+            x, out = pending.pop((chunk, mb))
+            out.backward(torch.randn(out.shape, generator=gen, device=device, dtype=dtype))
+            grads[f"<input c{chunk} mb{mb}>"] = x.grad
+            del x, out
+        if on_event is not None:
+            on_event(kind, chunk, mb)
+    for c, chunk in enumerate(chunks):
+        for name, p in chunk.named_parameters():
+            if p.grad is not None:
+                grads[f"{c}.{name}"] = p.grad.detach().clone()
+    return grads
 
 
 def first_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> str | None:

@@ -379,32 +379,3 @@ def test_begin_chunk_numbers_microbatches(configure):
     assert labels == [
         "offload/a/L0/c1/mb0", "offload/a/L0/c1/mb1",
     ]
-
-
-def test_non_reentrant_checkpoint_around_groups(configure):
-    """Groups inside a checkpointed function: gradients equal; a recompute running inside
-    backward opens no group (what it saves is needed at once)."""
-    from torch.utils.checkpoint import checkpoint
-
-    configure(["g"])
-    w = torch.randn(16, 16, requires_grad=True)
-    x = torch.randn(4, 16, requires_grad=True)
-
-    def f(h):
-        with offload.group("g", h) as h1:
-            return torch.tanh(h1 @ w)
-
-    def run(use_ckpt):
-        w.grad = x.grad = None
-        h = x
-        for _ in range(3):
-            h = checkpoint(f, h, use_reentrant=False) if use_ckpt else f(h)
-        h.sum().backward()
-        return w.grad.clone(), x.grad.clone()
-
-    ref = run(False)
-    offload.end_iteration()
-    got = run(True)
-    assert all(torch.equal(a, b) for a, b in zip(ref, got))
-    stats = offload.end_iteration().by_name["g"]
-    assert stats.groups == 3

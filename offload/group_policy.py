@@ -1,0 +1,76 @@
+"""Which enabled groups to offload: a decision per group, from where it runs in the schedule.
+
+The config's ``modules`` says which names *may* be offloaded. A group policy decides, for
+each group of such a name as it opens, whether this one is: it sees a `GroupInfo` (name,
+layer, chunk, microbatch, the schedule phase and how many chunk forwards are live) and
+returns ``True`` to offload it, ``False`` to leave its tensors on the GPU.
+
+The default (``policy=None``) offloads every group of an enabled name; only the last-layer
+rule keeps groups back. It needs no tuning: each offloaded byte leaves the GPU while other
+work runs, so a rank that holds more microbatches at its peak (the first pipeline ranks)
+saves more, in proportion. A policy spends that differently: offload only where memory is
+short, and keep the copy engine idle elsewhere. Any callable ``(GroupInfo) -> bool`` works;
+the helpers below build common ones. A policy runs once per group opening, on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Literal
+
+__all__ = ["GroupInfo", "GroupPolicy", "by_layer", "min_live", "warmup_only"]
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """Where a group runs; what a `GroupPolicy` decides from.
+
+    ``layer`` counts the invocations of ``name`` in this chunk forward (0, 1, ...), whether or
+    not earlier ones were offloaded. ``phase`` is ``"warmup"`` before the rank's first backward
+    of the iteration and ``"steady"`` after it. ``live`` is the number of chunk forwards whose
+    backward has not run yet, this one included: the microbatch activations the rank holds.
+    ``max_live`` is the most the rank holds in this iteration, known only when the schedule
+    was given (``offload.set_schedule``); ``None`` otherwise.
+    """
+
+    name: str
+    layer: int
+    chunk_id: int
+    microbatch: int
+    phase: Literal["warmup", "steady"]
+    live: int
+    max_live: int | None
+    iteration: int
+
+
+GroupPolicy = Callable[[GroupInfo], bool]
+
+
+def by_layer(layers: Iterable[int] | Callable[[int], bool]) -> GroupPolicy:
+    """Offload only the groups of these layers (a set of indices, or a predicate on them).
+
+    ``by_layer(range(0, 6))`` offloads the first six invocations of each name per chunk.
+    """
+    if callable(layers):
+        pred = layers
+    else:
+        allowed = frozenset(int(i) for i in layers)
+        pred = allowed.__contains__
+    return lambda info: bool(pred(info.layer))
+
+
+def min_live(count: int) -> GroupPolicy:
+    """Offload a chunk's groups only while at least ``count`` chunk forwards are live.
+
+    The ranks at the end of a pipeline hold one or two microbatches and gain little; the
+    first ones hold many. ``min_live(2)`` offloads only where a second microbatch's
+    activations are also on the rank; with one chunk and no pipelining it offloads nothing.
+    """
+    if not isinstance(count, int) or count < 1:
+        raise ValueError(f"offload: min_live needs an int >= 1, got {count!r}")
+    return lambda info: info.live >= count
+
+
+def warmup_only(info: GroupInfo) -> bool:
+    """Offload the groups of warm-up forwards only (their activations wait longest)."""
+    return info.phase == "warmup"
