@@ -110,6 +110,8 @@ def test_replay_on_gpu(configure, monkeypatch, pp, vpp, m, rank):
         "peak_mib": peak / 2**20, "peak_ref_mib": peak_ref / 2**20, "saved_mib": saved / 2**20,
         "expected_mib": expected / 2**20, "reloads_on_demand": total.reloads_on_demand,
         "new_pinned_allocations": stats.pinned_allocations - pinned_after_warmup,
+        "d2h_ms": total.d2h_ms, "h2d_ms": total.h2d_ms,
+        "offload_wait_ms": total.offload_wait_ms, "reload_wait_ms": total.reload_wait_ms,
     })
     # the rank holds max_live chunk forwards at its peak; all but about one chunk's worth of
     # their offloaded groups are on the host then (the chunk in flight or being reloaded).
