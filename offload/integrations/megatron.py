@@ -1,0 +1,759 @@
+"""Megatron-core integration: ``--offload-modules=core_attn,expert_fc1`` without editing Megatron.
+
+Three pieces, each usable alone:
+
+* **Names → modules.** `find_modules` walks a model chunk and finds, in every
+  ``TransformerLayer``, the megatron-core modules behind each offload name (table below).
+  `apply` configures the engine and attaches those groups to each model chunk
+  (``offload.attach``, whose forward pre-hook on the chunk starts a chunk × microbatch handler).
+* **The schedule.** `wrap_forward_backward_func` wraps the function that
+  ``get_forward_backward_func()`` returns: before it runs, the rank's order of chunk forwards
+  and backwards (Megatron's signed ``order``) goes to ``offload.set_schedule``; after it,
+  ``offload.end_iteration()`` closes the iteration. For Megatron-LM's ``pretrain``, which
+  fetches that function itself, `wrap_model_provider` installs the same wrapper by rebinding
+  ``get_forward_backward_func`` in the loaded Megatron modules (in memory; no file changes).
+* **The flag.** `add_arguments` (usable as Megatron's ``extra_args_provider``) adds
+  ``--offload-modules`` (or reuses Megatron-LM's own flag of that name), the minimum tensor
+  size, the in-flight bound and the policy; `apply_from_args` reads them.
+
+Names (relative to each ``TransformerLayer``; "saves" is what autograd keeps for backward):
+
+============  =======================================================  ==========================================
+name          module                                                   saves (local spec)
+============  =======================================================  ==========================================
+attn_norm     ``input_layernorm``                                      its input, the residual stream [s,b,h]
+qkv_linear    ``self_attention.linear_qkv``; MLA: ``linear_q_proj`` /  its input, the normed hidden state [s,b,h]
+              ``linear_q_down_proj``, ``linear_q_up_proj``,
+              ``linear_kv_down_proj``, ``linear_kv_up_proj``
+core_attn     ``self_attention.core_attention``                        q, k, v and the softmax probabilities
+                                                                       [b,heads,s,s] (unfused attention)
+attn_proj     ``self_attention.linear_proj``                           its input, the attention context [s,b,h]
+mlp_norm      ``pre_mlp_layernorm``                                    its input, the residual stream [s,b,h]
+fc1           ``mlp.linear_fc1`` (dense MLP)                           its input [s,b,h]
+mlp_act       between ``mlp.linear_fc1`` and ``mlp.linear_fc2``        the fc1 output [s,b,ffn] (×2 with GLU)
+fc2           ``mlp.linear_fc2`` (dense MLP)                           its input, the activation [s,b,ffn]
+router        ``mlp.router`` (MoE)                                     its input [s·b,h] and small routing tensors
+expert_fc1    ``mlp.experts`` (SequentialMLP: all experts' fc1, one     the routed tokens [tokens·topk,h]
+              group per layer) or ``mlp.experts.linear_fc1`` (grouped)
+moe_act       between the experts' fc1 and fc2                         the fc1 output and the routing probabilities
+expert_fc2    ``mlp.experts.local_experts.*.linear_fc2`` (Sequential)  the weighted activation [tokens·topk,ffn]
+              or ``mlp.experts.linear_fc2`` (grouped)
+============  =======================================================  ==========================================
+
+``mlp_act`` and ``moe_act`` are code, not modules: their group opens when fc1 returns and closes
+when fc2 is called. With ``SequentialMLP``, every expert's fc1 input is a slice of one tensor
+that the experts' forward holds until its last expert ran; one ``expert_fc1`` group per layer
+(the experts module, whose activations and fc2s are their own groups or stay on the GPU) is
+copied once the layer is done, where per-expert groups would find the tensor still in use. A name the model does not have (``expert_fc1`` in a dense model,
+``attn_norm`` where Transformer Engine fuses the norm into ``linear_qkv``) is an error that says
+why. Shared experts and the legacy ``GroupedMLP`` (one fused op, no fc1/fc2 submodules) are not
+mapped.
+
+Composition. Megatron's selective recompute (``recompute_modules``) wins over offloading: a
+recomputed region saves nothing that could be offloaded, so asking for both on the same region
+is an error (`check_compatible`). Offloading a neighbour of a recomputed region works: e.g.
+``recompute_modules=["layernorm"]`` with ``qkv_linear`` offloads nothing of the norm's output,
+which Megatron's ``CheckpointWithoutOutput`` holds and frees itself (the engine sees it held
+elsewhere and does not copy it). Full recompute makes every group of a recomputed layer inert.
+Megatron's CUDA graphs, its own fine-grained offloading and its layer-level ``cpu_offloading``
+are refused: the first replays kernels without the engine's hooks, the other two hook the
+same saved tensors.
+
+Versions. Tested with megatron-core 0.16.1 (CPU, CI) and 0.19.2 (GPU). What differs between
+them is handled here: the schedules' keyword arguments (0.19 adds ``pg_collection`` paths and
+``schedule_pg_collection``), the legacy ``GroupedMLP`` (present up to 0.18), the
+``full_iteration`` CUDA graph mode (0.19). Module paths and ``get_forward_backward_func``'s
+result are the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import functools
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+import offload
+from offload import group_policy
+from offload.config import DEFAULT_MIN_TENSOR_BYTES, check_known, parse_module_list
+from offload.errors import OffloadError, UnknownModuleError
+from offload.schedules import schedule_table, table_to_order
+from offload.stats import IterationStats
+
+try:
+    import megatron.core as _mcore
+    from megatron.core import parallel_state
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+except ImportError as exc:  # pragma: no cover - exercised only without megatron-core
+    raise ImportError(
+        "offload.integrations.megatron needs megatron-core (pip install 'offload[megatron]')"
+    ) from exc
+
+__all__ = [
+    "NAMES",
+    "MegatronOffload",
+    "add_arguments",
+    "apply",
+    "apply_from_args",
+    "check_compatible",
+    "find_modules",
+    "megatron_order",
+    "megatron_version",
+    "parse_policy",
+    "wrap_forward_backward_func",
+    "wrap_model_provider",
+]
+
+NAMES: dict[str, str] = {
+    "attn_norm": "input_layernorm: its input (the residual stream)",
+    "qkv_linear": "self_attention.linear_qkv (MLA: the q/kv down and up projections): its input",
+    "core_attn": "self_attention.core_attention: q, k, v and the attention probabilities",
+    "attn_proj": "self_attention.linear_proj: its input (the attention context)",
+    "mlp_norm": "pre_mlp_layernorm: its input (the residual stream)",
+    "fc1": "mlp.linear_fc1 of a dense MLP: its input",
+    "mlp_act": "the dense MLP's activation (between fc1 and fc2): the fc1 output",
+    "fc2": "mlp.linear_fc2 of a dense MLP: its input (the activation)",
+    "router": "mlp.router of a MoE layer: its input and the routing tensors",
+    "expert_fc1": "the experts' linear_fc1: the routed tokens",
+    "moe_act": "the experts' activation (between fc1 and fc2): the fc1 output and the probs",
+    "expert_fc2": "the experts' linear_fc2: the weighted activation",
+}
+"""Every name this integration knows, with the module it maps to and what that saves."""
+
+# Which of Megatron's selective recompute modules make an offload name inert (recompute wins).
+_RECOMPUTED_BY: dict[str, tuple[str, ...]] = {
+    "core_attn": ("core_attn",),
+    "attn_norm": ("layernorm",),
+    "mlp_norm": ("layernorm",),
+    "fc1": ("mlp",),
+    "mlp_act": ("mlp",),
+    "fc2": ("mlp",),
+    "router": ("moe",),
+    "expert_fc1": ("moe",),
+    "moe_act": ("moe", "moe_act"),
+    "expert_fc2": ("moe",),
+}
+
+_ACT_NAMES = ("mlp_act", "moe_act")
+_MLA_QKV = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj",
+            "linear_kv_down_proj", "linear_kv_up_proj")
+
+
+def megatron_version() -> tuple[int, int]:
+    """megatron-core's (major, minor) version."""
+    major, minor = _mcore.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+# ---------------------------------------------------------------------------------- mapping
+@dataclass
+class ChunkModules:
+    """What `find_modules` found in one model chunk.
+
+    ``modules`` maps a name to the qualified names of its modules; ``act_regions`` maps
+    ``mlp_act``/``moe_act`` to (mlp, fc1, fc2) qualified-name triples; ``absent`` says, for
+    names the chunk lacks although it has transformer layers, why. ``sequential_experts``
+    lists the SequentialMLP modules (each one ``expert_fc1`` group).
+    """
+
+    modules: dict[str, list[str]] = field(default_factory=dict)
+    act_regions: dict[str, list[tuple[str, str, str]]] = field(default_factory=dict)
+    absent: dict[str, str] = field(default_factory=dict)
+    sequential_experts: list[str] = field(default_factory=list)
+    num_layers: int = 0
+
+    @property
+    def names(self) -> set[str]:
+        return {n for n, v in self.modules.items() if v} | {n for n, v in self.act_regions.items() if v}
+
+
+def _real(module: Any) -> bool:
+    return isinstance(module, nn.Module) and not isinstance(module, IdentityOp)
+
+
+def find_modules(chunk: nn.Module) -> ChunkModules:
+    """Find the modules behind every name of `NAMES` in ``chunk`` (a model chunk, wrapped or not).
+
+    Qualified names are relative to ``chunk`` itself, so that `offload.attach` on ``chunk``
+    finds them.
+    """
+    found = ChunkModules()
+    add = lambda name, qn: found.modules.setdefault(name, []).append(qn)  # noqa: E731
+    why: dict[str, str] = {}
+    for qn, layer in chunk.named_modules():
+        if not isinstance(layer, TransformerLayer):
+            continue
+        found.num_layers += 1
+        p = f"{qn}." if qn else ""
+        if _real(getattr(layer, "input_layernorm", None)):
+            add("attn_norm", p + "input_layernorm")
+        else:
+            why["attn_norm"] = ("input_layernorm is an IdentityOp: the norm is fused into "
+                                "linear_qkv (Transformer Engine spec); offload qkv_linear instead")
+        attn = getattr(layer, "self_attention", None)
+        if _real(attn):
+            a = p + "self_attention."
+            if _real(getattr(attn, "linear_qkv", None)):
+                add("qkv_linear", a + "linear_qkv")
+            for sub in _MLA_QKV:  # multi-latent attention
+                if _real(getattr(attn, sub, None)):
+                    add("qkv_linear", a + sub)
+            if _real(getattr(attn, "core_attention", None)):
+                add("core_attn", a + "core_attention")
+            if _real(getattr(attn, "linear_proj", None)):
+                add("attn_proj", a + "linear_proj")
+        if _real(getattr(layer, "pre_mlp_layernorm", None)):
+            add("mlp_norm", p + "pre_mlp_layernorm")
+        else:
+            why["mlp_norm"] = ("pre_mlp_layernorm is an IdentityOp: the norm is fused into "
+                               "mlp.linear_fc1 (Transformer Engine spec); offload fc1 instead")
+        mlp = getattr(layer, "mlp", None)
+        if not _real(mlp):
+            continue
+        m = p + "mlp."
+        experts = getattr(mlp, "experts", None)
+        if experts is None:  # dense MLP
+            if _real(getattr(mlp, "linear_fc1", None)) and _real(getattr(mlp, "linear_fc2", None)):
+                add("fc1", m + "linear_fc1")
+                add("fc2", m + "linear_fc2")
+                found.act_regions.setdefault("mlp_act", []).append(
+                    (p + "mlp", m + "linear_fc1", m + "linear_fc2"))
+            continue
+        if _real(getattr(mlp, "router", None)):
+            add("router", m + "router")
+        local = getattr(experts, "local_experts", None)
+        if local is not None:  # SequentialMLP: one MLP per local expert
+            add("expert_fc1", m + "experts")
+            found.sequential_experts.append(m + "experts")
+            for i, expert in enumerate(local):
+                e = f"{m}experts.local_experts.{i}."
+                add("expert_fc2", e + "linear_fc2")
+                found.act_regions.setdefault("moe_act", []).append(
+                    (e[:-1], e + "linear_fc1", e + "linear_fc2"))
+        elif _real(getattr(experts, "linear_fc1", None)) and _real(getattr(experts, "linear_fc2", None)):
+            add("expert_fc1", m + "experts.linear_fc1")  # TEGroupedMLP
+            add("expert_fc2", m + "experts.linear_fc2")
+            found.act_regions.setdefault("moe_act", []).append(
+                (m + "experts", m + "experts.linear_fc1", m + "experts.linear_fc2"))
+        else:
+            for name in ("expert_fc1", "moe_act", "expert_fc2"):
+                why[name] = (f"the experts are a {type(experts).__name__}, one fused op without "
+                             "fc1/fc2 submodules; use SequentialMLP or TEGroupedMLP")
+    for name in NAMES:
+        if name not in found.names and found.num_layers:
+            found.absent[name] = why.get(name, _default_absence(name))
+    return found
+
+
+def _default_absence(name: str) -> str:
+    if name in ("router", "expert_fc1", "moe_act", "expert_fc2"):
+        return "no MoE layer (num_moe_experts is not set, or moe_layer_freq puts none here)"
+    if name in ("fc1", "mlp_act", "fc2"):
+        return "no dense MLP (every MLP is a MoE layer; use expert_fc1, moe_act, expert_fc2)"
+    return "no such submodule in this model's transformer layers"
+
+
+def _escape(qualname: str) -> str:
+    """An fnmatch pattern that matches exactly ``qualname``."""
+    return re.sub(r"([*?\[])", r"[\1]", qualname)
+
+
+def _patterns(targets: list[str], all_names: list[str]) -> list[str]:
+    """Short fnmatch patterns that match exactly ``targets`` among ``all_names``.
+
+    Layer and expert indices become ``*`` where that matches nothing else; otherwise the exact
+    names stay. (One pattern per module would cost ``len(targets) × len(all_names)`` matches in
+    `offload.attach`, which is slow for models with thousands of experts.)
+    """
+    wanted = set(targets)
+    groups: dict[str, list[str]] = {}
+    for qn in targets:
+        groups.setdefault(re.sub(r"(?<=\.)\d+(?=\.|$)", "*", _escape(qn)), []).append(qn)
+    out: list[str] = []
+    for pattern, members in groups.items():
+        hits = {qn for qn in all_names if fnmatch.fnmatchcase(qn, pattern)}
+        out.extend([pattern] if hits <= wanted else [_escape(qn) for qn in members])
+    return out
+
+
+# ---------------------------------------------------------------------------- compatibility
+def check_compatible(config: Any, names: Iterable[str]) -> None:
+    """Raise `OffloadError` if ``config`` (a megatron-core ``TransformerConfig``) switches on
+    something that cannot work with offloading ``names``, or that makes them do nothing."""
+    names = list(names)
+    if not names:
+        return
+    if getattr(config, "fine_grained_activation_offloading", False):
+        raise OffloadError(
+            "offload: Megatron's own fine-grained activation offloading "
+            "(--fine-grained-activation-offloading) is on; it reads the same --offload-modules "
+            "and hooks the same saved tensors. Switch it off to use this library's offloading."
+        )
+    if getattr(config, "cpu_offloading", False):
+        raise OffloadError(
+            "offload: Megatron's layer-level CPU offloading (--cpu-offloading) is on; it hooks "
+            "the same saved tensors. Use one of the two."
+        )
+    impl = getattr(config, "cuda_graph_impl", "none") or "none"
+    if impl != "none" or getattr(config, "enable_cuda_graph", False) or getattr(config, "external_cuda_graph", False):
+        raise OffloadError(
+            f"offload: Megatron CUDA graphs are on (cuda_graph_impl={impl!r}); a replayed graph "
+            "runs without the offload hooks, so the captured layers cannot be offloaded yet. "
+            "Switch CUDA graphs off or drop --offload-modules."
+        )
+    if getattr(config, "recompute_granularity", None) == "selective":
+        recomputed = set(getattr(config, "recompute_modules", None) or ["core_attn"])
+        clashes = [
+            f"{name} (recompute_modules has {', '.join(sorted(recomputed & set(_RECOMPUTED_BY[name])))})"
+            for name in names
+            if recomputed & set(_RECOMPUTED_BY.get(name, ()))
+        ]
+        if clashes:
+            raise OffloadError(
+                "offload: these regions are recomputed in backward, so they save nothing to "
+                f"offload: {'; '.join(clashes)}. Recompute wins; drop them from "
+                "--offload-modules or from --recompute-modules."
+            )
+
+
+# ------------------------------------------------------------------------------------ flags
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the offload flags to ``parser``; returns it (Megatron's ``extra_args_provider``).
+
+    ``--offload-modules`` takes ``core_attn,expert_fc1`` as well as Megatron's space-separated
+    ``core_attn expert_fc1``. When the parser already has ``--offload-modules`` (Megatron-LM
+    defines it for its own offloading, which ``--fine-grained-activation-offloading`` switches
+    on), that flag is reused: without Megatron's switch, the names go to this library.
+    """
+    group = parser.add_argument_group("offload", "fine-grained activation offloading (offload)")
+    try:
+        group.add_argument(
+            "--offload-modules", nargs="*", default=[], metavar="NAME",
+            help=f"offload the saved tensors of these modules to pinned host memory; "
+                 f"comma- or space-separated; names: {', '.join(NAMES)}",
+        )
+    except argparse.ArgumentError:
+        pass  # Megatron-LM's own --offload-modules (dest offload_modules): reuse it
+    group.add_argument(
+        "--offload-min-tensor-bytes", type=int, default=DEFAULT_MIN_TENSOR_BYTES, metavar="BYTES",
+        help="saved tensors smaller than this stay on the GPU (default: %(default)s)",
+    )
+    group.add_argument(
+        "--offload-max-inflight-groups", type=int, default=1, metavar="N",
+        help="at most N groups' device-to-host copies in flight (default: %(default)s)",
+    )
+    group.add_argument(
+        "--offload-policy", default="all", metavar="POLICY",
+        help="which groups of the names to offload: all (default), warmup_only, "
+             "min_live:N (only while N microbatches are live), layers:0-3,6 (these layers)",
+    )
+    return parser
+
+
+def parse_policy(spec: str | None) -> group_policy.GroupPolicy | None:
+    """Turn ``all``, ``warmup_only``, ``min_live:N`` or ``layers:0-3,6`` into a group policy
+    (``None`` for ``all``); raises ValueError with the accepted forms otherwise."""
+    forms = "all, warmup_only, min_live:N, layers:A-B,C"
+    if spec is None or spec.strip() in ("", "all"):
+        return None
+    kind, _, arg = spec.strip().partition(":")
+    if kind == "warmup_only" and not arg:
+        return group_policy.warmup_only
+    if kind == "min_live" and arg.strip().isdigit() and int(arg) >= 1:
+        return group_policy.min_live(int(arg))
+    if kind == "layers" and arg:
+        layers: set[int] = set()
+        for part in arg.split(","):
+            m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+            if not m:
+                raise ValueError(f"offload: bad layer range {part!r} in --offload-policy {spec!r}")
+            lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+            if hi < lo:
+                raise ValueError(f"offload: empty layer range {part!r} in --offload-policy {spec!r}")
+            layers.update(range(lo, hi + 1))
+        return group_policy.by_layer(layers)
+    raise ValueError(f"offload: unknown --offload-policy {spec!r}; accepted: {forms}")
+
+
+@dataclass(frozen=True)
+class Options:
+    """The offload settings that `add_arguments` adds, as `apply` takes them."""
+
+    modules: tuple[str, ...]
+    min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES
+    max_inflight_groups: int = 1
+    policy: str = "all"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "Options":
+        """Read the flags; checks the names and Megatron's own offloading switch."""
+        if getattr(args, "fine_grained_activation_offloading", False) and getattr(args, "offload_modules", None):
+            raise OffloadError(
+                "offload: --fine-grained-activation-offloading switches on Megatron's own "
+                "offloading of --offload-modules; drop it to use this library's offloading"
+            )
+        modules = parse_module_list(getattr(args, "offload_modules", None) or ())
+        check_known(modules, NAMES, "--offload-modules")
+        return cls(
+            modules=modules,
+            min_tensor_bytes=getattr(args, "offload_min_tensor_bytes", DEFAULT_MIN_TENSOR_BYTES),
+            max_inflight_groups=getattr(args, "offload_max_inflight_groups", 1),
+            policy=getattr(args, "offload_policy", "all"),
+        )
+
+
+# ------------------------------------------------------------------------------ attaching
+def _unwrap(module: nn.Module) -> nn.Module:
+    """The model inside DDP / Float16Module wrappers."""
+    while isinstance(getattr(module, "module", None), nn.Module):
+        module = module.module
+    return module
+
+
+def _act_region_hooks(name: str | None, mlp: nn.Module, fc1: nn.Module, fc2: nn.Module) -> list[Any]:
+    """Make the code between ``fc1`` and ``fc2`` a group ``name`` (``None``: a never-offload
+    region): it opens when fc1 returns (its output gets the group's backward marker) and
+    closes when fc2 is called, or when the MLP returns if fc2 never ran (an exception)."""
+    open_regions: list[Any] = []
+
+    def after_fc1(module: nn.Module, args: tuple, output: Any) -> Any:
+        first = output[0] if isinstance(output, tuple) else output
+        if not isinstance(first, torch.Tensor):
+            return None
+        if name is None:
+            region = offload.never_offload()
+            region.__enter__()
+            open_regions.append(region)
+            return None
+        region = offload.group(name, first)
+        marked = region.__enter__()
+        open_regions.append(region)
+        return (marked, *output[1:]) if isinstance(output, tuple) else marked
+
+    def before_fc2(module: nn.Module, args: tuple) -> None:
+        if open_regions:
+            open_regions.pop().__exit__(None, None, None)
+
+    def after_mlp(module: nn.Module, args: tuple, output: Any) -> None:
+        while open_regions:
+            open_regions.pop().__exit__(None, None, None)
+
+    return [
+        fc1.register_forward_hook(after_fc1),
+        fc2.register_forward_pre_hook(before_fc2, prepend=True),  # before fc2's own group opens
+        mlp.register_forward_hook(after_mlp, always_call=True),
+    ]
+
+
+def _never_offload_hooks(module: nn.Module) -> list[Any]:
+    """Nothing that ``module``'s forward saves is offloaded (it runs as a never-offload region)."""
+    open_regions: list[offload.never_offload] = []
+
+    def pre(mod: nn.Module, args: tuple) -> None:
+        region = offload.never_offload()
+        region.__enter__()
+        open_regions.append(region)
+
+    def post(mod: nn.Module, args: tuple, output: Any) -> None:
+        open_regions.pop().__exit__(None, None, None)
+
+    return [module.register_forward_pre_hook(pre), module.register_forward_hook(post, always_call=True)]
+
+
+class MegatronOffload:
+    """Offloading attached to a list of megatron-core model chunks; made by `apply`.
+
+    ``mapping[i]`` is the name → module patterns given to `offload.attach` for chunk ``i``;
+    ``last_stats`` the `IterationStats` of the latest wrapped ``forward_backward_func`` call.
+    With no names, nothing is attached and `wrap` returns its function unchanged, so a script
+    can call both unconditionally.
+    """
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
+        self.mapping: list[dict[str, list[str]]] = []
+        self.found: list[ChunkModules] = []
+        self._hooks: list[Any] = []
+        self._attached: list[Any] = []
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.names)
+
+    @property
+    def last_stats(self) -> IterationStats | None:
+        return _last_stats[0]
+
+    def attach_chunk(self, chunk: nn.Module, chunk_id: int) -> ChunkModules:
+        """Attach the configured names to one model chunk (its local virtual stage ``chunk_id``)."""
+        found = find_modules(chunk)
+        self.found.append(found)
+        if not self.enabled:
+            return found
+        all_names = [qn for qn, _ in chunk.named_modules() if qn]
+        mapping = {
+            name: _patterns(found.modules[name], all_names)
+            for name in self.names if found.modules.get(name)
+        }
+        offload.get_manager().declare_names(found.names)
+        self._attached.append(offload.attach(chunk, mapping, chunk_id=chunk_id))
+        self.mapping.append(mapping)
+        modules = dict(chunk.named_modules())
+        for name in _ACT_NAMES:
+            if name in self.names:
+                for mlp, fc1, fc2 in found.act_regions.get(name, ()):
+                    self._hooks.extend(_act_region_hooks(name, modules[mlp], modules[fc1], modules[fc2]))
+        if "expert_fc1" in self.names:
+            # a SequentialMLP's expert_fc1 group holds only the fc1s: the activations and fc2s
+            # inside it are their own groups or never-offload regions
+            for mlp, fc1, fc2 in found.act_regions.get("moe_act", ()):
+                if not mlp.startswith(tuple(f"{qn}." for qn in found.sequential_experts)):
+                    continue
+                if "moe_act" not in self.names:
+                    self._hooks.extend(_act_region_hooks(None, modules[mlp], modules[fc1], modules[fc2]))
+                if "expert_fc2" not in self.names:
+                    self._hooks.extend(_never_offload_hooks(modules[fc2]))
+        return found
+
+    def check_names_exist(self) -> None:
+        """Raise `UnknownModuleError` for configured names that no attached chunk has."""
+        have = set().union(*(f.names for f in self.found)) if self.found else set()
+        missing = [n for n in self.names if n not in have]
+        if not missing:
+            return
+        reasons = {}
+        for f in self.found:
+            reasons.update(f.absent)
+        lines = [f"{n!r}: {reasons.get(n, 'no transformer layer in the model chunks')}" for n in missing]
+        raise UnknownModuleError(
+            "offload: --offload-modules names a module this model does not have on this "
+            f"pipeline rank: {'; '.join(lines)}. Names it has: {', '.join(sorted(have)) or '(none)'}"
+        )
+
+    def wrap(self, forward_backward_func: Callable[..., Any]) -> Callable[..., Any]:
+        """`wrap_forward_backward_func` when offloading is on; the function itself otherwise."""
+        if not self.enabled:
+            return forward_backward_func
+        return wrap_forward_backward_func(forward_backward_func)
+
+    def remove(self) -> None:
+        """Take every hook away again (the engine stays configured)."""
+        for handle in self._attached:
+            handle.remove()
+        for h in self._hooks:
+            h.remove()
+        self._attached.clear()
+        self._hooks.clear()
+
+
+def apply(
+    model: nn.Module | Sequence[nn.Module],
+    modules: str | Iterable[str],
+    *,
+    min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES,
+    max_inflight_groups: int = 1,
+    policy: str | group_policy.GroupPolicy | None = None,
+    device: torch.device | str | None = None,
+) -> MegatronOffload:
+    """Configure the engine for ``modules`` and attach them to each model chunk.
+
+    ``model`` is a megatron-core model or the list of a rank's model chunks (virtual pipeline
+    stages, in order), wrapped (DDP, ``Float16Module``) or not. ``policy`` is a
+    `parse_policy` string or a `GroupPolicy`. Raises `UnknownModuleError` for a name that is
+    not in `NAMES` or not in this model, `OffloadError` for a conflicting Megatron option
+    (`check_compatible`). Then wrap the ``forward_backward_func`` with ``.wrap(...)``.
+    """
+    names = parse_module_list(modules)
+    check_known(names, NAMES, "--offload-modules")
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    if not chunks:
+        raise ValueError("offload: apply() needs at least one model chunk")
+    for chunk in chunks:
+        config = getattr(_unwrap(chunk), "config", None)
+        if config is not None:
+            check_compatible(config, names)
+    if isinstance(policy, str) or policy is None:
+        policy = parse_policy(policy)
+    handle = MegatronOffload(names)
+    if names:
+        offload.configure(names, min_tensor_bytes=min_tensor_bytes,
+                          max_inflight_groups=max_inflight_groups, policy=policy, device=device)
+    try:
+        for i, chunk in enumerate(chunks):
+            handle.attach_chunk(chunk, i)
+        handle.check_names_exist()
+    except BaseException:
+        handle.remove()
+        raise
+    return handle
+
+
+def apply_from_args(model: nn.Module | Sequence[nn.Module], args: argparse.Namespace,
+                    device: torch.device | str | None = None) -> MegatronOffload:
+    """`apply` with the settings of the flags that `add_arguments` added."""
+    opts = Options.from_args(args)
+    return apply(model, opts.modules, min_tensor_bytes=opts.min_tensor_bytes,
+                 max_inflight_groups=opts.max_inflight_groups, policy=opts.policy, device=device)
+
+
+# ------------------------------------------------------------------------------- schedule
+def _pp_group_info(kwargs: Mapping[str, Any]) -> tuple[int, int]:
+    """(pipeline size, pipeline rank) as the schedule function will see them."""
+    p2p = kwargs.get("p2p_communicator")
+    if p2p is not None and getattr(p2p, "pp_group", None) is not None:
+        return p2p.pp_group.size(), p2p.pp_group.rank()
+    pg = kwargs.get("pg_collection")
+    if pg is not None and getattr(pg, "pp", None) is not None:
+        return pg.pp.size(), pg.pp.rank()
+    return (parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_rank())
+
+
+def megatron_order(forward_backward_func: Callable[..., Any], kwargs: Mapping[str, Any]) -> list[int] | None:
+    """The signed order of chunk forwards and backwards that ``forward_backward_func(**kwargs)``
+    will run on this rank, or ``None`` when it is not one of Megatron's three schedules (or
+    runs the combined 1F1B / forward-only paths), where the engine infers the order itself.
+
+    Mirrors megatron-core: no pipelining runs F B per microbatch; 1F1B warms up with
+    ``pp - rank - 1`` forwards; the interleaved schedule walks `schedule_table` and warms up
+    with ``2 (pp - rank - 1) + (chunks - 1) · group`` forwards when the config has a virtual
+    pipeline size, and ``pp - rank - 1`` when it has none.
+    """
+    from megatron.core.pipeline_parallel import schedules as msched
+    from megatron.core.utils import get_model_config
+
+    if kwargs.get("forward_only") or "model" not in kwargs or "num_microbatches" not in kwargs:
+        return None
+    fn = getattr(forward_backward_func, "__wrapped__", forward_backward_func)
+    model = kwargs["model"]
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    n = int(kwargs["num_microbatches"])
+    config = get_model_config(chunks[0])
+    if getattr(config, "overlap_moe_expert_parallel_comm", False):
+        return None  # the combined 1F1B path overlaps microbatches inside one step
+    if fn is msched.forward_backward_no_pipelining:
+        return [1, -1] * n
+    pp, rank = _pp_group_info(kwargs)
+    if fn is msched.forward_backward_pipelining_without_interleaving:
+        return table_to_order([(mb, 0) for mb in range(n)], 1, min(pp - rank - 1, n))
+    if fn is msched.forward_backward_pipelining_with_interleaving:
+        group = config.microbatch_group_size_per_vp_stage or pp
+        p2p = kwargs.get("p2p_communicator")
+        virtual = (p2p.virtual_pipeline_model_parallel_size if p2p is not None
+                   else config.virtual_pipeline_model_parallel_size)
+        k = len(chunks)
+        warmup = pp - rank - 1 if virtual is None else 2 * (pp - rank - 1) + (k - 1) * group
+        return table_to_order(schedule_table(n, k, group), k, min(warmup, n * k))
+    return None
+
+
+_last_stats: list[IterationStats | None] = [None]
+
+
+def wrap_forward_backward_func(forward_backward_func: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a megatron-core ``forward_backward_func`` so each call is one offload iteration.
+
+    Before the call the rank's order goes to ``offload.set_schedule`` (``None`` for a schedule
+    it does not know, and for ``forward_only``); after it ``offload.end_iteration()`` runs and
+    its statistics are kept (`MegatronOffload.last_stats`). An exception resets the engine
+    (``offload.reset()``) before it propagates. Wrapping twice returns the same wrapper.
+    """
+    if getattr(forward_backward_func, "__offload_wrapped__", False):
+        return forward_backward_func
+
+    @functools.wraps(forward_backward_func)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        offload.set_schedule(megatron_order(forward_backward_func, kwargs))
+        try:
+            result = forward_backward_func(*args, **kwargs)
+        except BaseException:
+            offload.reset()
+            raise
+        _last_stats[0] = offload.end_iteration()
+        return result
+
+    run.__offload_wrapped__ = True  # type: ignore[attr-defined]
+    return run
+
+
+# ----------------------------------------------------------------------------- Megatron-LM
+_SCHEDULE_HOOKS: list[tuple[Any, str, Any]] = []
+
+
+def _install_schedule_hook() -> None:
+    """Make ``get_forward_backward_func`` hand out wrapped functions, in every loaded Megatron
+    module that imported it (Megatron-LM's ``training.py`` does). Rebinds names in memory only."""
+    if _SCHEDULE_HOOKS:
+        return
+    from megatron.core.pipeline_parallel import schedules as msched
+
+    original = msched.get_forward_backward_func
+
+    @functools.wraps(original)
+    def get_forward_backward_func(*args: Any, **kwargs: Any) -> Any:
+        return wrap_forward_backward_func(original(*args, **kwargs))
+
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("megatron") and getattr(mod, "get_forward_backward_func", None) is original:
+            _SCHEDULE_HOOKS.append((mod, "get_forward_backward_func", original))
+            setattr(mod, "get_forward_backward_func", get_forward_backward_func)
+
+
+def _remove_schedule_hook() -> None:
+    while _SCHEDULE_HOOKS:
+        mod, attr, original = _SCHEDULE_HOOKS.pop()
+        setattr(mod, attr, original)
+
+
+def wrap_model_provider(
+    model_provider: Callable[..., nn.Module],
+    args: argparse.Namespace | Callable[[], argparse.Namespace] | None = None,
+) -> Callable[..., nn.Module]:
+    """For Megatron-LM's ``pretrain(..., model_provider, ...)``: attach offloading to every
+    model chunk the provider builds, and hook the schedule.
+
+    ``args`` defaults to ``megatron.training.get_args``. On the first call the engine is
+    configured from the flags (`add_arguments`); each chunk is attached with its
+    ``vp_stage`` as chunk id; the names are checked once the last virtual stage is built.
+    Without ``--offload-modules`` the provider runs unchanged.
+    """
+    state: dict[str, Any] = {}
+
+    @functools.wraps(model_provider)
+    def provide(*pargs: Any, **kwargs: Any) -> nn.Module:
+        chunk = model_provider(*pargs, **kwargs)
+        ns = args() if callable(args) else args
+        if ns is None:
+            from megatron.training import get_args  # Megatron-LM, not megatron-core
+
+            ns = get_args()
+        if "handle" not in state:
+            opts = Options.from_args(ns)
+            check_compatible(getattr(_unwrap(chunk), "config", ns), opts.modules)
+            handle = MegatronOffload(opts.modules)
+            if opts.modules:
+                offload.configure(opts.modules, min_tensor_bytes=opts.min_tensor_bytes,
+                                  max_inflight_groups=opts.max_inflight_groups,
+                                  policy=parse_policy(opts.policy))
+                _install_schedule_hook()
+            state["handle"] = handle
+        handle = state["handle"]
+        if not handle.enabled:
+            return chunk
+        vp_stage = kwargs.get("vp_stage", getattr(_unwrap(chunk), "vp_stage", None))
+        chunk_id = 0 if vp_stage is None else int(vp_stage)
+        handle.attach_chunk(chunk, chunk_id)
+        vpp = getattr(ns, "virtual_pipeline_model_parallel_size", None) or 1
+        if chunk_id == vpp - 1:
+            handle.check_names_exist()
+        return chunk
+
+    provide.offload_state = state  # type: ignore[attr-defined]
+    return provide

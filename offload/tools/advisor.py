@@ -1,0 +1,401 @@
+"""The advisor's arithmetic: from a module profile and measured bandwidth, what offloading or
+recomputing each set of module names frees at the memory peak, and what it costs in step time.
+
+The model, on the profile's saved storages (`offload.tools.profile_modules`):
+
+* **Offloaded bytes** follow the engine's rules (docs/design.md). A storage leaves the GPU if
+  the engine may offload it (eligible) and *every* module instance that saved it is offloaded
+  (a module that is not offloaded still holds it otherwise); it belongs to the last instance
+  that saved it, and the last instance of each name is kept (its backward comes right after
+  its forward).
+* **At the peak** (the end of forward) the groups whose copies were launched last may still be
+  in flight: with ``max_inflight_groups=m``, the last ``m`` launched, so their bytes still count
+  (an upper bound: a copy that is already done when the engine polls is released earlier).
+* **Recomputed bytes**: recomputing a name drops the storages created inside its instances
+  (outputs and internals) that anything saved, for every instance but the last one (whose
+  recompute runs at the start of backward). Its inputs stay. A storage both recomputed and
+  offloaded counts once, as recomputed.
+* **Forward time**: the engine's own schedule, simulated on the profile's forward (each module
+  instance's measured forward time, scaled so that a layer takes the measured layer forward).
+  All offloaded names share one device-to-host stream, so copies run one after another. The
+  copy of group ``(name, i)`` is launched when ``(name, i+1)`` closes; it starts then, or when
+  the copy before it ends (the host keeping pace with the GPU: the worst case; a host far
+  ahead lets a copy start as soon as its group closes). With ``max_inflight_groups=m`` the
+  compute stream waits, at the launch of the copy ``k+m`` (in launch order), for the copy ``k``
+  to end; at the first backward use of an offloaded name in the last layer it waits for every
+  copy still in flight. Those waits are the forward's exposed time (``forward_wait_ms``). So
+  with several names per layer and ``m=1``, a large copy has only the compute up to the next
+  launch to hide behind, not a whole layer; ``m`` = names per layer gives each copy about a
+  layer, and then only the sum of a layer's copies against a layer's forward matters.
+* **Backward time**: the reloads of one layer run one after another behind that layer's
+  backward; what exceeds it is exposed (``backward_exposed_ms``).
+* **Slowdown**: copies that overlap compute slow it by the probe's ``compute_slowdown``.
+  Recomputing costs the module's forward time again. The host's own cost per group is not
+  modelled (it matters only when the host, not the GPU, is the bottleneck).
+
+``advise()`` classifies each name alone (free, better recomputed, costly, nothing to move),
+chooses the **free set**: the names that, *together*, keep one layer's copies within the
+headroom fraction of a layer's forward (and reloads of its backward) and cost at most
+``free_cost_pct`` of the step (with ``max_inflight_groups`` 1, or the number of names per
+layer where only that makes them free), greedily, largest gain at the peak first; and searches the
+assignment (keep / offload / recompute per name) that meets a memory budget with the least
+predicted cost.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable
+
+from .bandwidth import Bandwidth
+from .profile_modules import OTHER, split_label
+
+DEFAULT_HEADROOM = 0.7
+"""The free set's copies of one layer take at most this fraction of a layer's forward (and its
+reloads of a layer's backward): bandwidth varies, compute slows down under copies, the host
+adds latency."""
+
+DEFAULT_FREE_COST_PCT = 2.0
+"""... and its predicted cost is at most this much of the step time."""
+
+EXHAUSTIVE_MAX_NAMES = 10
+"""Above this many names the budget search is greedy instead of exhaustive."""
+
+
+@dataclass
+class Prediction:
+    """What one assignment does, by the model above. Bytes per step, times in ms."""
+
+    offload: list[str]
+    recompute: list[str]
+    max_inflight_groups: int = 1
+    offloaded_bytes: int = 0
+    offloaded_by_name: dict[str, int] = field(default_factory=dict)
+    bytes_per_group: dict[str, int] = field(default_factory=dict)
+    inflight_bytes: int = 0
+    recomputed_bytes: int = 0
+    freed_at_peak: int = 0
+    peak_bytes: int | None = None
+    d2h_ms_per_layer: float = 0.0
+    h2d_ms_per_layer: float = 0.0
+    forward_wait_ms: float = 0.0
+    forward_wait_by_name: dict[str, float] = field(default_factory=dict)
+    backward_exposed_ms: float = 0.0
+    exposed_ms: float = 0.0
+    slowdown_ms: float = 0.0
+    recompute_ms: float = 0.0
+    cost_ms: float = 0.0
+    cost_pct: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Model:
+    """The profile's facts in the form the predictions need."""
+
+    def __init__(self, profile: dict[str, Any], bandwidth: Bandwidth) -> None:
+        for key in ("names", "modules", "storages", "close_order", "step_ms", "forward_ms", "backward_ms"):
+            if key not in profile:
+                raise ValueError(f"not a module profile: no {key!r} (make one with offload.tools.profile_modules)")
+        self.profile = profile
+        self.bw = bandwidth
+        self.names: list[str] = list(profile["names"])
+        self.instances = {n: len(profile["modules"][n]["fwd_ms"]) for n in self.names}
+        self.layers = max(self.instances.values(), default=0)
+        if self.layers < 1:
+            raise ValueError("the profile has no module instances")
+        self.fwd_window = profile["forward_ms"] / self.layers
+        self.bwd_window = profile["backward_ms"] / self.layers
+        self.close_order: list[tuple[str, int]] = [(n, int(i)) for n, i in profile["close_order"]]
+        self.position = {x: k for k, x in enumerate(self.close_order)}
+        self.storages = [self._parse(s) for s in profile["storages"]]
+        self.segments = self._segments("fwd_ms", profile["forward_ms"])
+        self.bwd_segments = self._segments("bwd_ms", profile["backward_ms"])
+
+    def _segments(self, key: str, total: float) -> list[float]:
+        """Compute time from the close of the previous instance to the close of each instance in
+        ``close_order``: the instance's own measured time, all of them scaled so that they add up
+        to the whole model's measured ``total`` (the compute between modules, spread over them)."""
+        own = []
+        for n, i in self.close_order:
+            v = self.profile["modules"].get(n, {}).get(key, [])
+            own.append(float(v[i]) if i < len(v) and v[i] is not None else 0.0)
+        s = sum(own)
+        if not own:
+            return []
+        if s <= 0:
+            return [total / len(own)] * len(own)
+        return [x * total / s for x in own]
+
+    @staticmethod
+    def _parse(s: dict[str, Any]) -> tuple[int, bool, list[tuple[str, int] | None], tuple[str, int] | None]:
+        savers = [None if x == OTHER else split_label(x) for x in s["savers"]]
+        created = split_label(s["created_in"]) if s.get("created_in") else None
+        return int(s["bytes"]), bool(s["eligible"]), savers, created
+
+    def is_last(self, name: str, i: int) -> bool:
+        return i == self.instances[name] - 1
+
+    def recompute_ms(self, name: str) -> float:
+        """The forward time of every instance of ``name``: what recomputing it costs per step."""
+        return sum(v for v in self.profile["modules"][name]["fwd_ms"] if v is not None)
+
+    def launch_order(self, by_group: dict[tuple[str, int], int]) -> list[tuple[int, tuple[str, int]]]:
+        """``(position in close_order at which the copy is launched, group)``, in launch order:
+        a group's copy is launched when the next instance of its name closes."""
+        out = [(self.position.get((n, i + 1), len(self.close_order)), (n, i)) for (n, i) in by_group]
+        return sorted(out)
+
+    def forward_waits(self, by_group: dict[tuple[str, int], int], inflight: int,
+                      offloaded_names: Iterable[str]) -> dict[str, float]:
+        """The compute stream's waits for device-to-host copies in one forward (and at the start
+        of backward), in ms per name of the group waited for; the engine's schedule (module
+        docstring), with copies starting at their launch."""
+        waits: dict[str, float] = {}
+        if not by_group:
+            return waits
+        launches: dict[int, list[tuple[str, int]]] = {}
+        for pos, g in self.launch_order(by_group):
+            launches.setdefault(pos, []).append(g)
+        t = 0.0  # the compute stream's clock, waits included
+        d2h_free = 0.0
+        pending: deque[tuple[float, str]] = deque()  # (copy end, name), launch order
+
+        def wait_for(end: float, name: str) -> None:
+            nonlocal t
+            if end > t:
+                waits[name] = waits.get(name, 0.0) + end - t
+                t = end
+
+        for k, seg in enumerate(self.segments):
+            t += seg
+            for (n, i) in launches.get(k, ()):
+                start = max(t, d2h_free)
+                d2h_free = start + self.bw.copy_ms("d2h", by_group[(n, i)])
+                pending.append((d2h_free, n))
+                while len(pending) > inflight:
+                    wait_for(*pending.popleft())
+        # backward begins with the last layer: the engine waits for every copy in flight at the
+        # first unpack of a group of an offloaded name (the latest to close of them)
+        names = set(offloaded_names)
+        last = max((p for p, (n, _) in enumerate(self.close_order) if n in names), default=len(self.close_order) - 1)
+        t += sum(self.bwd_segments[last + 1:])
+        for end, n in pending:
+            wait_for(end, n)
+        return waits
+
+    def predict(self, offload: Iterable[str] = (), recompute: Iterable[str] = (),
+                max_inflight_groups: int = 1) -> Prediction:
+        offload, recompute = list(offload), list(recompute)
+        unknown = sorted((set(offload) | set(recompute)) - set(self.names))
+        if unknown:
+            raise ValueError(f"unknown module name(s) {unknown}; the profile has {self.names}")
+        if set(offload) & set(recompute):
+            raise ValueError(f"a name cannot be both offloaded and recomputed: {sorted(set(offload) & set(recompute))}")
+        if max_inflight_groups < 1:
+            raise ValueError(f"max_inflight_groups must be >= 1, got {max_inflight_groups}")
+        off, rec = set(offload), set(recompute)
+        pred = Prediction(offload=offload, recompute=recompute, max_inflight_groups=max_inflight_groups)
+        by_group: dict[tuple[str, int], int] = {}
+        for nbytes, eligible, savers, created in self.storages:
+            if created is not None and created[0] in rec:
+                if not self.is_last(*created):
+                    pred.recomputed_bytes += nbytes
+                continue
+            if not eligible or not savers or any(s is None or s[0] not in off for s in savers):
+                continue
+            owner = savers[-1]
+            if self.is_last(*owner):
+                continue
+            by_group[owner] = by_group.get(owner, 0) + nbytes
+        pred.offloaded_bytes = sum(by_group.values())
+        for (n, _), b in by_group.items():
+            pred.offloaded_by_name[n] = pred.offloaded_by_name.get(n, 0) + b
+        # the groups whose copies were launched last (when the next instance of their name closed)
+        launched = self.launch_order(by_group)
+        pred.inflight_bytes = sum(by_group[g] for _, g in launched[-max_inflight_groups:])
+        pred.freed_at_peak = pred.offloaded_bytes - pred.inflight_bytes + pred.recomputed_bytes
+        peak = self.profile.get("peak_allocated")
+        pred.peak_bytes = None if peak is None else peak - pred.freed_at_peak
+        # one layer's copies, each at the bandwidth of its size
+        groups_per_name: dict[str, list[int]] = {}
+        for (n, _), b in by_group.items():
+            groups_per_name.setdefault(n, []).append(b)
+        pred.bytes_per_group = {n: int(statistics.median(v)) for n, v in groups_per_name.items()}
+        pred.d2h_ms_per_layer = sum(self.bw.copy_ms("d2h", b) for b in pred.bytes_per_group.values())
+        pred.h2d_ms_per_layer = sum(self.bw.copy_ms("h2d", b) for b in pred.bytes_per_group.values())
+        layers = max((len(v) for v in groups_per_name.values()), default=0)
+        d, h, wf, wb = pred.d2h_ms_per_layer, pred.h2d_ms_per_layer, self.fwd_window, self.bwd_window
+        pred.forward_wait_by_name = self.forward_waits(by_group, max_inflight_groups, off)
+        pred.forward_wait_ms = sum(pred.forward_wait_by_name.values())
+        pred.backward_exposed_ms = layers * max(0.0, h - wb)
+        pred.exposed_ms = pred.forward_wait_ms + pred.backward_exposed_ms
+        pred.slowdown_ms = layers * self.bw.compute_slowdown * (min(d, wf) + min(h, wb))
+        pred.recompute_ms = sum(self.recompute_ms(n) for n in rec)
+        pred.cost_ms = pred.exposed_ms + pred.slowdown_ms + pred.recompute_ms
+        pred.cost_pct = 100 * pred.cost_ms / self.profile["step_ms"]
+        return pred
+
+    def copy_fraction(self, pred: Prediction) -> float:
+        """One layer's copies (all its offloaded names, one after another on the one copy
+        stream) over one layer's compute, the larger of forward and backward."""
+        return max(pred.d2h_ms_per_layer / self.fwd_window if self.fwd_window > 0 else float("inf"),
+                   pred.h2d_ms_per_layer / self.bwd_window if self.bwd_window > 0 else float("inf"))
+
+    def is_free(self, pred: Prediction, headroom: float, free_cost_pct: float) -> bool:
+        """Frees something, its copies fit the headroom, and it costs at most ``free_cost_pct``."""
+        return (pred.offloaded_bytes > 0 and self.copy_fraction(pred) <= headroom
+                and pred.cost_pct <= free_cost_pct)
+
+
+def classify(model: Model, name: str, headroom: float,
+             free_cost_pct: float = DEFAULT_FREE_COST_PCT) -> dict[str, Any]:
+    """One name alone: ``free``, ``recompute`` (better recomputed), ``costly`` or ``nothing``.
+    ``free`` is for the name alone: names free alone are not free together (the free set)."""
+    off = model.predict(offload=[name])
+    rec = model.predict(recompute=[name])
+    fraction = model.copy_fraction(off)
+    if off.offloaded_bytes == 0:
+        verdict = "nothing"
+        why = "saves nothing the engine can move (too small, or held by another module)"
+    elif model.is_free(off, headroom, free_cost_pct):
+        verdict, why = "free", f"alone, one layer's copies take {fraction:.0%} of its compute, cost {off.cost_pct:.1f}%"
+    elif rec.recomputed_bytes >= off.freed_at_peak and rec.cost_ms < off.cost_ms:
+        verdict, why = "recompute", (f"copies take {fraction:.0%} of a layer's compute; recomputing frees as much "
+                                     f"for {rec.cost_ms:.2f} ms")
+    else:
+        verdict, why = "costly", f"copies take {fraction:.0%} of a layer's compute, cost {off.cost_pct:.1f}%"
+    return {"name": name, "verdict": verdict, "why": why, "copy_fraction": fraction,
+            "offload": off.as_dict(), "recompute": rec.as_dict()}
+
+
+def _free_candidate(model: Model, names: list[str], headroom: float, free_cost_pct: float) -> Prediction | None:
+    """The best free prediction for offloading ``names``: ``max_inflight_groups`` 1, or the
+    number of names per layer that move bytes if only that is free (it holds more at the peak)."""
+    best = None
+    first = model.predict(offload=names)
+    per_layer = len(first.bytes_per_group)
+    for m in sorted({1, max(1, per_layer)}):
+        p = first if m == 1 else model.predict(offload=names, max_inflight_groups=m)
+        if model.is_free(p, headroom, free_cost_pct) and (best is None or p.freed_at_peak > best.freed_at_peak):
+            best = p
+    return best
+
+
+def free_set(model: Model, headroom: float = DEFAULT_HEADROOM,
+             free_cost_pct: float = DEFAULT_FREE_COST_PCT) -> Prediction:
+    """The names to offload together while the set stays free: the *sum* of one layer's copies
+    (one copy stream) within ``headroom`` of a layer's compute, and the set's own predicted cost
+    within ``free_cost_pct``. Greedy: repeatedly add the name that frees the most more memory at
+    the peak (ties: more bytes per copy-millisecond), as long as the set stays free; few large
+    groups are preferred to many small ones (each group also costs host time). An empty
+    prediction when no name is free."""
+    chosen: list[str] = []
+    best = model.predict()
+    while True:
+        options = []
+        for n in model.names:
+            if n in chosen:
+                continue
+            p = _free_candidate(model, chosen + [n], headroom, free_cost_pct)
+            if p is None:
+                continue
+            gain = p.freed_at_peak - best.freed_at_peak
+            extra = p.d2h_ms_per_layer - best.d2h_ms_per_layer
+            if gain > 0:
+                options.append((gain, gain / max(extra, 1e-9), -len(options), n, p))
+        if not options:
+            return best
+        *_, n, best = max(options)
+        chosen.append(n)
+
+
+def search(model: Model, budget: int, allow_recompute: bool) -> tuple[Prediction, bool]:
+    """The assignment with the least predicted cost whose predicted peak is at most ``budget``
+    (ties: more memory freed); if none reaches it, the one with the lowest peak. Returns it and
+    whether it meets the budget. With the engine's default ``max_inflight_groups=1``."""
+    choices = ("keep", "offload", "recompute") if allow_recompute else ("keep", "offload")
+    names = model.names
+
+    def evaluate(assign: dict[str, str]) -> Prediction:
+        return model.predict([n for n in names if assign[n] == "offload"],
+                             [n for n in names if assign[n] == "recompute"])
+
+    def key(p: Prediction) -> tuple:
+        fits = p.peak_bytes is not None and p.peak_bytes <= budget
+        return (0, p.cost_ms, -p.freed_at_peak) if fits else (1, -p.freed_at_peak, p.cost_ms)
+
+    if len(names) <= EXHAUSTIVE_MAX_NAMES:
+        best = min((evaluate(dict(zip(names, combo))) for combo in itertools.product(choices, repeat=len(names))),
+                   key=key)
+    else:  # greedy: repeatedly take the change that frees the most per ms of cost
+        assign = {n: "keep" for n in names}
+        best = evaluate(assign)
+        while key(best)[0] == 1:
+            options = []
+            for n in names:
+                for c in choices:
+                    if c != assign[n]:
+                        p = evaluate({**assign, n: c})
+                        gain = p.freed_at_peak - best.freed_at_peak
+                        if gain > 0:
+                            options.append((gain / max(p.cost_ms - best.cost_ms, 1e-3), n, c, p))
+            if not options:
+                break
+            _, n, c, best = max(options, key=lambda o: o[0])
+            assign[n] = c
+    fits = best.peak_bytes is not None and best.peak_bytes <= budget
+    return best, fits
+
+
+def flags(offload: list[str], recompute: list[str], max_inflight_groups: int = 1) -> str:
+    """The command-line settings for an assignment (the Megatron integration's flags)."""
+    parts = [f"--offload-modules={','.join(offload)}" if offload else ""]
+    if offload and max_inflight_groups != 1:
+        parts.append(f"--offload-max-inflight-groups={max_inflight_groups}")
+    if recompute:
+        parts.append(f"--recompute-modules={','.join(recompute)}")
+    return " ".join(p for p in parts if p) or "(nothing to offload or recompute)"
+
+
+def advise(profile: dict[str, Any], bandwidth: Bandwidth, budget: int | None = None,
+           headroom: float = DEFAULT_HEADROOM, allow_recompute: bool = True,
+           free_cost_pct: float = DEFAULT_FREE_COST_PCT) -> dict[str, Any]:
+    """Per-name verdicts, the free set, and (with ``budget``) the cheapest assignment meeting it,
+    with and without recompute."""
+    if not 0 < headroom <= 1:
+        raise ValueError(f"headroom must be in (0, 1], got {headroom}")
+    if free_cost_pct < 0:
+        raise ValueError(f"free_cost_pct must be >= 0, got {free_cost_pct}")
+    model = Model(profile, bandwidth)
+    rows = [classify(model, n, headroom, free_cost_pct) for n in model.names]
+    fp = free_set(model, headroom, free_cost_pct)
+    free = list(fp.offload)
+    out: dict[str, Any] = {
+        "tool": "advise", "workload": profile.get("workload"), "device": profile.get("device"),
+        "headroom": headroom, "free_cost_pct": free_cost_pct, "layers": model.layers, "step_ms": profile["step_ms"],
+        "forward_window_ms": model.fwd_window, "backward_window_ms": model.bwd_window,
+        "compute_slowdown": bandwidth.compute_slowdown, "peak_allocated": profile.get("peak_allocated"),
+        "modules": rows, "free": free, "free_max_inflight_groups": fp.max_inflight_groups,
+        "free_copy_fraction": model.copy_fraction(fp), "free_prediction": fp.as_dict(),
+        "free_flags": flags(free, [], fp.max_inflight_groups),
+    }
+    alone = [r["name"] for r in rows if r["verdict"] == "free"]
+    if len(alone) > 1:  # what the names free alone would cost together (why the set is smaller)
+        together = model.predict(offload=alone)
+        out["free_alone_together"] = {"offload": alone, "copy_fraction": model.copy_fraction(together),
+                                      "cost_pct": together.cost_pct, "freed_at_peak": together.freed_at_peak}
+    if budget is not None:
+        if profile.get("peak_allocated") is None:
+            raise ValueError("a memory budget needs a profile with a measured peak (run it on the GPU)")
+        for key, recompute in (("budget", allow_recompute), ("budget_offload_only", False)):
+            pred, fits = search(model, budget, recompute)
+            out[key] = {"budget_bytes": budget, "meets_budget": fits, "prediction": pred.as_dict(),
+                        "flags": flags(pred.offload, pred.recompute)}
+            if not allow_recompute:
+                break
+    return out

@@ -1,0 +1,99 @@
+"""Test-only patches that let megatron-core run a small GPT on the CPU (gloo).
+
+megatron-core assumes CUDA in a few places that a CPU test reaches. These test-only patches
+(applied by the conftest for the test module and undone after it, and in the spawned workers
+of the pipeline test) make a small GPT and a small MoE GPT run forward and backward on the
+CPU; none of them changes what the model computes:
+
+1. ``GlobalMemoryBuffer.get_tensor`` allocates its scratch buffer on CUDA: allocate on the CPU.
+2. ``CudaRNGStatesTracker.fork`` (dropout regions) needs CUDA RNG states: run the region as is
+   (the tests use no dropout); recompute's RNG save/restore uses the CPU generator.
+3. MoE: ``TopKRouter.gating`` moves its weight to ``torch.cuda.current_device()``: the current
+   device is the CPU. megatron-core 0.16 without Transformer Engine leaves ``te_general_gemm``
+   undefined in ``moe_utils`` (a NameError in the router): define it as ``None`` (0.19 does).
+4. The schedules count tokens in ``torch.zeros([], device="cuda")``: their ``torch`` is a proxy
+   whose ``zeros`` puts ``device="cuda"`` on the CPU.
+5. Pipelining only (the workers): the point-to-point exchange calls ``torch.cuda.synchronize()``
+   after its sends and receives; gloo's are complete when they return, so it is a no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import socket
+import types
+
+import pytest
+import torch
+
+
+class _TorchOnCpu(types.ModuleType):
+    """``torch`` for megatron's schedules module, with ``zeros(device="cuda")`` on the CPU."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def apply_cpu_patches(pipeline: bool = False) -> pytest.MonkeyPatch:
+    """Apply the patches (see the module doc; 5 only with ``pipeline``); ``.undo()`` on the
+    result takes them back."""
+    from megatron.core import utils as mutils
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.moe import moe_utils
+
+    mp = pytest.MonkeyPatch()
+
+    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+        return torch.empty(math.prod(tensor_shape), dtype=dtype).view(*tensor_shape)
+
+    @contextlib.contextmanager
+    def fork(self, name=None):
+        yield
+
+    mp.setattr(mutils.GlobalMemoryBuffer, "get_tensor", get_tensor)
+    mp.setattr(mrandom.CudaRNGStatesTracker, "fork", fork)
+    mp.setattr(mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
+    mp.setattr(mrandom, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state))
+    mp.setattr(torch.cuda, "current_device", lambda: "cpu")
+    # megatron-core 0.19 compiles small router helpers; with CUDA present (the GPU machine)
+    # dynamo asks torch.cuda.current_device(), which is patched to "cpu" above, and fails.
+    # The CPU world runs them eagerly.
+    import torch._dynamo as dynamo
+
+    mp.setattr(dynamo.config, "disable", True)
+    mp.setattr(schedules, "torch", _TorchOnCpu("torch"))
+    if not hasattr(moe_utils, "te_general_gemm"):
+        mp.setattr(moe_utils, "te_general_gemm", None, raising=False)
+    if pipeline:
+        mp.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+    return mp
+
+
+def example_worker(rank: int, world: int, port: int, argv: list[str]) -> None:
+    """One rank of ``examples/megatron_gpt.py`` on the CPU (target of ``torch.multiprocessing.spawn``)."""
+    import importlib.util
+    import os
+    import sys
+    from pathlib import Path
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    apply_cpu_patches(pipeline=True)
+    path = Path(__file__).resolve().parents[2] / "examples" / "megatron_gpt.py"
+    spec = importlib.util.spec_from_file_location("megatron_gpt", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    sys.exit(example.main(argv))
