@@ -27,6 +27,7 @@ from .config import DEFAULT_MIN_TENSOR_BYTES, OffloadConfig, parse_module_list
 from .errors import OffloadError, SavedTensorModifiedError, UnknownModuleError
 from .group_policy import GroupInfo, GroupPolicy
 from .manager import PipelineOffloadManager
+from . import graphs
 from .regions import AttachHandle, attach, group, mark_not_offload, never_offload
 from .stats import GroupStats, IterationStats
 
@@ -49,6 +50,7 @@ __all__ = [
     "configure",
     "end_iteration",
     "get_manager",
+    "graphs",
     "group",
     "mark_not_offload",
     "never_offload",
@@ -64,6 +66,7 @@ def configure(
     min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES,
     max_inflight_groups: int = 1,
     max_pinned_bytes: int | None = None,
+    copy_chunk_bytes: int = 16 << 20,
     timing: bool = True,
     policy: GroupPolicy | None = None,
     device: torch.device | str | None = None,
@@ -79,6 +82,7 @@ def configure(
         min_tensor_bytes=min_tensor_bytes,
         max_inflight_groups=max_inflight_groups,
         max_pinned_bytes=max_pinned_bytes,
+        copy_chunk_bytes=copy_chunk_bytes,
         timing=timing,
         policy=policy,
     )

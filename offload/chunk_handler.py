@@ -65,6 +65,8 @@ class ChunkOffloadHandler:
         self.pending: dict[str, OffloadGroup] = {}
         self._records: dict[tuple[int, torch.dtype], list[TensorRecord]] = {}
         self.alive = 0
+        self.capture = None  # the capture session this forward was captured in, if any
+        self.graphable = False  # a group ran inside an `offload.graphs.region`: keep nothing
 
     def __repr__(self) -> str:
         return (

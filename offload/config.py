@@ -82,6 +82,11 @@ class OffloadConfig:
             next group opens, so a pipeline's backward never stalls on a copy just started.
         max_pinned_bytes: a cap on the pinned host pool; past it tensors stay on the GPU (with
             one warning). ``None`` means no cap.
+        copy_chunk_bytes: each tensor's copy is issued in pieces of at most this many bytes
+            (0: one copy per tensor). A copy engine serves the copies queued on it in order, so
+            a model's own small device-to-host copy (``.item()``, ``.tolist()``: MoE token counts)
+            that arrives during one large offload copy waits for all of it; with pieces it waits
+            for at most one piece (16 MiB: 0.3 ms at 55 GB/s).
         timing: record CUDA events around copies and waits so that statistics report copy
             bandwidth and the time the compute stream waited. Costs a few events per group.
         policy: which groups of the enabled names to offload, decided per group from its
@@ -93,6 +98,7 @@ class OffloadConfig:
     min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES
     max_inflight_groups: int = 1
     max_pinned_bytes: int | None = None
+    copy_chunk_bytes: int = 16 << 20
     timing: bool = True
     policy: GroupPolicy | None = None
     enabled: frozenset = field(init=False, repr=False, compare=False)
@@ -107,6 +113,10 @@ class OffloadConfig:
         if not isinstance(self.max_inflight_groups, int) or self.max_inflight_groups < 1:
             raise ValueError(
                 f"offload: max_inflight_groups must be an int >= 1, got {self.max_inflight_groups!r}"
+            )
+        if not isinstance(self.copy_chunk_bytes, int) or self.copy_chunk_bytes < 0:
+            raise ValueError(
+                f"offload: copy_chunk_bytes must be an int >= 0, got {self.copy_chunk_bytes!r}"
             )
         if self.policy is not None and not callable(self.policy):
             raise TypeError(

@@ -177,11 +177,27 @@ class SavedHandle:
         try:
             rec = self.record
             rec.alive -= 1
-            if rec.alive == 0 and rec.src is not None and rec.group.state <= GroupState.KEPT:
+            if rec.alive == 0 and rec.src is not None and (rec.host is None or rec.group.state <= GroupState.KEPT):
                 rec.src = None  # no copy is reading it: free now, exactly as autograd would
+            if rec.alive == 0 and rec.dev is not None and rec.group.capture is not None:
+                # Captured: the graph joined this reload before it ended, and a captured
+                # handler is never retired, so nothing else would let go of this memory.
+                rec.dev = None
             self.group.handler.on_handle_dead()
         except Exception:  # interpreter shutdown: nothing left to account for
             pass
+
+
+def copy_in_pieces(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int) -> None:
+    """``dst.copy_(src)`` for flat tensors, issued as copies of at most ``chunk_bytes`` each
+    (all of it at once when ``chunk_bytes`` is 0 or larger than the tensor)."""
+    step = chunk_bytes // dst.element_size() if chunk_bytes else 0
+    n = dst.numel()
+    if step <= 0 or n <= step:
+        dst.copy_(src, non_blocking=True)
+        return
+    for start in range(0, n, step):
+        dst[start:start + step].copy_(src[start:start + step], non_blocking=True)
 
 
 class OffloadGroup:
@@ -190,7 +206,7 @@ class OffloadGroup:
     __slots__ = (
         "name", "layer", "label", "handler", "prev_same", "records", "borrowed", "state",
         "stream", "ready", "d2h_done", "d2h_timing", "h2d_done", "h2d_timing", "alloc_stream",
-        "waited", "alive", "__weakref__",
+        "waited", "alive", "capture", "__weakref__",
     )
 
     def __init__(self, name: str, layer: int, handler: "ChunkOffloadHandler", prev_same: "OffloadGroup | None") -> None:
@@ -211,9 +227,10 @@ class OffloadGroup:
         self.h2d_timing: Any = None
         self.alloc_stream: Any = None
         self.waited: set[int] = set()
+        self.capture: Any = None  # the capture session this group's forward was captured in
 
     # -- forward ---------------------------------------------------------------------------
-    def launch_offload(self, streams: Any, pool: Any, timing: bool) -> tuple[int, int]:
+    def launch_offload(self, streams: Any, pool: Any, timing: bool, chunk_bytes: int = 0) -> tuple[int, int]:
         """Queue the D2H copies of this group's live records that copying would free.
 
         Returns (bytes queued, bytes left on the GPU because something else holds them).
@@ -242,7 +259,10 @@ class OffloadGroup:
         seen = set()
         for rec in todo:
             ev = rec.host.last_read
-            if ev is not None and id(ev) not in seen:
+            # A buffer taken by a capture was last read eagerly (buffers a graph owns never
+            # return to the pool), before the capture began: waiting on that event would
+            # invalidate the capture, and the synchronize that precedes a capture orders it.
+            if ev is not None and id(ev) not in seen and self.capture is None:
                 seen.add(id(ev))
                 d2h.wait_event(ev)
         with streams.use(d2h):
@@ -250,7 +270,7 @@ class OffloadGroup:
                 self.d2h_timing = streams.event(timing=True)
                 self.d2h_timing.record(d2h)
             for rec in todo:
-                rec.host.view(rec.dtype, rec.numel).copy_(rec.source_span(), non_blocking=True)
+                copy_in_pieces(rec.host.view(rec.dtype, rec.numel), rec.source_span(), chunk_bytes)
             self.d2h_done.record(d2h)
         return sum(rec.nbytes for rec in todo), shared
 
@@ -273,7 +293,7 @@ class OffloadGroup:
                 return True
         return False
 
-    def launch_reload(self, streams: Any, timing: bool) -> int:
+    def launch_reload(self, streams: Any, timing: bool, chunk_bytes: int = 0, capture: Any = None) -> int:
         """Queue H2D copies of every record this group needs back. Returns the bytes queued.
 
         The device buffers are allocated on the current (compute) stream, so the caching
@@ -295,14 +315,18 @@ class OffloadGroup:
         h2d.wait_stream(cur)
         owners = {id(rec.group): rec.group for rec in todo}
         for owner in owners.values():
-            h2d.wait_event(owner.d2h_done)
+            # An offload captured in another graph (a forward graph, when this is its backward
+            # graph) was joined into that graph's stream before it ended; the replay order of
+            # the graphs orders it, and its event cannot be waited on here.
+            if owner.capture is None or owner.capture is capture:
+                h2d.wait_event(owner.d2h_done)
         done = streams.event(timing)
         with streams.use(h2d):
             if timing:
                 self.h2d_timing = streams.event(timing=True)
                 self.h2d_timing.record(h2d)
             for rec in todo:
-                rec.dev.copy_(rec.host.view(rec.dtype, rec.numel), non_blocking=True)
+                copy_in_pieces(rec.dev, rec.host.view(rec.dtype, rec.numel), chunk_bytes)
                 rec.reload_group = self
                 rec.last_read = done
                 rec.unpacked = 0

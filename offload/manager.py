@@ -46,6 +46,7 @@ from .group import GroupState, KeptTensor, OffloadGroup, SavedHandle
 from .group_policy import GroupInfo
 from .pinned_pool import PinnedHostPool
 from .policy import TensorPolicy
+from .quantized import pack_quantized, splittable
 from .schedules import ForwardStep, SchedulePlan
 from .stats import GroupStats, IterationStats
 from .streams import make_streams
@@ -100,6 +101,13 @@ class PipelineOffloadManager:
         self.declared_names: set[str] = set()
         self._names_checked = False
         self.iteration = 0
+        self.hook_calls = 0  # saved-tensor hook calls, ever (a graph replay makes none)
+        self._capture: Any = None  # the capture session in progress (`_sync_capture`)
+        self._capture_reloads: list[Any] = []  # h2d_done events recorded in that capture
+        self._graveyard: list[OffloadGroup] = []  # retired during a capture: events die after it
+        self._graph_handlers: list[ChunkOffloadHandler] = []  # captured: owned by their graphs
+        self._region_plans: dict[Any, list[tuple[str, tuple[int, ...]]]] = {}
+        self._regions: list[tuple[Any, list[tuple[str, tuple[int, ...]]]]] = []
         self._new_iteration_state()
         self._new_iteration_stats()
 
@@ -118,6 +126,7 @@ class PipelineOffloadManager:
             raise OffloadError(
                 f"offload: begin_chunk() called inside the open group {self._open[-1].label!r}"
             )
+        self._sync_capture()
         self._process_retired()
         if self._forward is not None:
             self._finish_forward(self._forward)
@@ -141,7 +150,7 @@ class PipelineOffloadManager:
             )
         self._plan = None if order is None else SchedulePlan(order)
 
-    def end_iteration(self) -> IterationStats:
+    def end_iteration(self, check_names: bool = True) -> IterationStats:
         """Close the iteration: finish pending work, retire handlers whose graphs are gone,
         check the configured names, and return this iteration's statistics.
 
@@ -166,7 +175,8 @@ class PipelineOffloadManager:
                 f"offload: the iteration ran {ran} chunk forwards, but the schedule given to "
                 f"set_schedule() has {len(plan)}; pass each iteration's order (or None)"
             )
-        self._check_names()
+        if check_names:
+            self._check_names()
         return stats
 
     def reset(self, release_pool: bool = False) -> None:
@@ -181,6 +191,11 @@ class PipelineOffloadManager:
         for handler in list(self._handlers):
             self._retire(handler)
         self._handlers.clear()
+        if release_pool:
+            self.release_graphs()
+        self._capture = None
+        self._capture_reloads.clear()
+        self._regions.clear()
         self._inflight.clear()
         self._retire_candidates.clear()
         self._forward = None
@@ -214,12 +229,21 @@ class PipelineOffloadManager:
         self.declared_names.add(name)
         if name not in self._enabled or not torch.is_grad_enabled():
             return None
+        if torch.compiler.is_compiling():
+            raise OffloadError(
+                f"offload: group {name!r} runs inside torch.compile, which is not supported: "
+                "saved-tensor hooks are disabled while compiling and its CUDA graphs "
+                "(mode='reduce-overhead') cannot hold our copies. Compile the modules between "
+                "offloaded groups, or use offload.graphs for CUDA graphs."
+            )
         if torch._C._current_graph_task_id() != -1:
             return None  # a recompute inside backward: what it saves is needed right away
         if _inside_checkpoint():
             self._stats[name].groups_recomputed += 1
             return None
-        self._process_retired()
+        token = self._sync_capture()
+        if token is None:
+            self._process_retired()
         handler = self._forward
         if handler is None:
             handler = self._forward = self._start_chunk(0, None)
@@ -232,8 +256,11 @@ class PipelineOffloadManager:
         self._poll_inflight()
         while len(self._inflight) > self.config.max_inflight_groups:
             self._release(self._inflight.popleft(), wait=True)
+        if self._regions:
+            handler.graphable = True
         group = handler.new_group(name, layer)
         group.stream = self.streams.current()
+        group.capture = token
         self._open.append(group)
         self._hooks.__enter__()
         return group
@@ -252,6 +279,8 @@ class PipelineOffloadManager:
         group.ready = self.streams.event()
         group.ready.record(group.stream)
         self._stats[name].groups += 1
+        if self._regions:
+            self._plan_step(group)
         previous = group.handler.close_group(group)
         if previous is not None:
             self._launch(previous)
@@ -268,13 +297,23 @@ class PipelineOffloadManager:
             nxt = self._backward_successor(handler)
             if nxt is not None and nxt.phase is HandlerPhase.FORWARD_DONE:
                 target = nxt.last_of_name.get(group.name)
-        if target is not None and target.state is GroupState.OFFLOADED and target.needs_reload():
+        if (
+            target is not None
+            and target.capture is group.capture  # a reload may not cross a graph's edge
+            and target.state is GroupState.OFFLOADED
+            and target.needs_reload()
+        ):
             self._reload(target, prefetch=True)
         self._poll_inflight()
 
     # ------------------------------------------------------------------ saved-tensor hooks
     def _pack(self, t: torch.Tensor) -> Any:
+        self.hook_calls += 1
         group = self._open[-1]
+        if type(t) is not torch.Tensor and not self._suppress and splittable(t):
+            handle = pack_quantized(t, self._pack, self._unpack)  # offload/quantized.py
+            if handle is not None:
+                return handle
         if self._suppress or not self.policy.eligible(t):
             return KeptTensor(t, group.label)
         storage = t.untyped_storage()
@@ -296,10 +335,12 @@ class PipelineOffloadManager:
         return SavedHandle(rec, group, t)
 
     def _unpack(self, h: Any) -> torch.Tensor:
+        self.hook_calls += 1
         if type(h) is not SavedHandle:
             return h.unpack()
         rec = h.record
         group = h.group
+        self._sync_capture()
         if group.handler.phase is not HandlerPhase.BACKWARD:
             self._begin_backward(group.handler)
         rec.check_version(group.label)
@@ -336,7 +377,16 @@ class PipelineOffloadManager:
         self._backward_started = False
 
     def _start_chunk(self, chunk_id: int, microbatch: int | None) -> ChunkOffloadHandler:
-        """A new chunk forward: check it against the schedule, make and queue its handler."""
+        """A new chunk forward: check it against the schedule, make and queue its handler.
+        Under capture the handler is the graph's own: no schedule bookkeeping (a graph is
+        captured once and replayed in many iterations)."""
+        if self._capture is not None:
+            handler = ChunkOffloadHandler(self, chunk_id, microbatch or 0, self.iteration, "captured", 1,
+                                          (self.iteration, -1))
+            handler.capture = self._capture
+            self._handlers.append(handler)
+            self._stats_handlers += 1
+            return handler
         step: ForwardStep | None = None
         plan = self._plan
         if plan is not None:
@@ -453,7 +503,9 @@ class PipelineOffloadManager:
         and its last groups copy out while this backward runs."""
         while self._inflight:
             self._release(self._inflight.popleft(), wait=True)
-        if handler.phase is HandlerPhase.FORWARD:
+        if handler.phase is HandlerPhase.FORWARD and handler.graphable:
+            self._finish_forward(handler)  # planned as it will be captured: nothing kept
+        elif handler.phase is HandlerPhase.FORWARD:
             for group in handler.pending.values():
                 group.state = GroupState.KEPT
                 self._stats[group.name].groups_kept += 1
@@ -468,8 +520,9 @@ class PipelineOffloadManager:
             self._backward_started = True
 
     def _launch(self, group: OffloadGroup, bound: bool = True) -> None:
+        timing = self._timing and group.capture is None  # a captured event cannot be timed
         nvtx.push("offload/" + group.label)
-        nbytes, shared = group.launch_offload(self.streams, self.pool, self._timing)
+        nbytes, shared = group.launch_offload(self.streams, self.pool, timing, self.config.copy_chunk_bytes)
         nvtx.pop()
         stats = self._stats[group.name]
         stats.bytes_held_elsewhere += shared
@@ -479,7 +532,7 @@ class PipelineOffloadManager:
         stats.groups_offloaded += 1
         stats.bytes_offloaded += nbytes
         stats.tensors_offloaded += sum(1 for r in group.records if r.host is not None)
-        if self._timing:
+        if timing:
             self._pending_timings.append(("d2h_ms", group.name, group.d2h_timing, group.d2h_done))
         self._inflight.append(group)
         if len(self._inflight) > self._stats_max_inflight:
@@ -501,9 +554,13 @@ class PipelineOffloadManager:
         group.release()
 
     def _reload(self, group: OffloadGroup, prefetch: bool) -> None:
+        capture = self._capture
+        timing = self._timing and capture is None
         nvtx.push("reload/" + group.label)
-        nbytes = group.launch_reload(self.streams, self._timing)
+        nbytes = group.launch_reload(self.streams, timing, self.config.copy_chunk_bytes, capture)
         nvtx.pop()
+        if capture is not None and group.h2d_done is not None:
+            self._capture_reloads.append(group.h2d_done)
         if nbytes:
             stats = self._stats[group.name]
             stats.bytes_reloaded += nbytes
@@ -511,7 +568,7 @@ class PipelineOffloadManager:
                 stats.reloads_prefetched += 1
             else:
                 stats.reloads_on_demand += 1
-            if self._timing:
+            if timing:
                 self._pending_timings.append(("h2d_ms", group.name, group.h2d_timing, group.h2d_done))
 
     def _wait(self, stream: Any, event: Any, kind: str, name: str) -> None:
@@ -529,26 +586,30 @@ class PipelineOffloadManager:
     def _process_retired(self) -> None:
         """Retire handlers whose saved tensors were all freed by autograd. Runs only at safe
         points (never from a handle's ``__del__``), and never on the chunk still in forward."""
-        if not self._retire_candidates:
+        if not self._retire_candidates or self._capture is not None:
             return
         candidates, self._retire_candidates = self._retire_candidates, []
         for handler in candidates:
-            if handler.alive != 0 or handler.phase is HandlerPhase.RETIRED:
-                continue
+            if handler.alive != 0 or handler.phase is HandlerPhase.RETIRED or handler.capture is not None:
+                continue  # a captured handler's buffers belong to its graphs (`release_graphs`)
             if handler is self._forward:
                 self._retire_candidates.append(handler)  # retire once its forward is over
             else:
                 self._retire(handler)
 
     def _retire(self, handler: ChunkOffloadHandler) -> None:
-        """Give back everything ``handler`` holds, with the waits that make that safe."""
+        """Give back everything ``handler`` holds, with the waits that make that safe (none
+        for captured groups: their graphs order their copies, and their events cannot be used
+        outside the capture)."""
         for group in handler.groups:
+            captured = group.capture is not None
             if group.state is GroupState.OFFLOADING:
                 if group in self._inflight:
                     self._inflight.remove(group)
-                group.stream.wait_event(group.d2h_done)
+                if not captured:
+                    group.stream.wait_event(group.d2h_done)
                 group.release()
-            if group.h2d_done is not None and group.alloc_stream is not None:
+            if not captured and group.h2d_done is not None and group.alloc_stream is not None:
                 if any(rec.dev is not None and rec.reload_group is group for rec in group.records + group.borrowed):
                     group.alloc_stream.wait_event(group.h2d_done)
             for rec in group.records:
@@ -577,6 +638,180 @@ class PipelineOffloadManager:
             self.config.modules, self.declared_names,
             "the offload config (no attached module and no group of that name ran this iteration)",
         )
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def _sync_capture(self) -> Any:
+        """The capture session the current call belongs to (``None`` when not capturing).
+
+        A session is one captured body: it starts at the first call seen while the stream
+        captures (or at a region's start under capture) and ends at a region's end, at
+        `join_capture`, or at the first call seen outside a capture. Consecutive backward
+        captures without a region or join share a session; that is harmless, since backward
+        only reloads, and reloads never cross a forward capture's edge (see `_reload`)."""
+        if self.streams.capture_token() is None:
+            if self._capture is not None:
+                self._switch_capture(None)
+            if self._graveyard:
+                self._graveyard.clear()
+            return None
+        if self._capture is None:
+            self._switch_capture(_CaptureSession())
+        return self._capture
+
+    def _switch_capture(self, token: Any) -> None:
+        """End the capture session in progress, if any, and start ``token`` (a new session,
+        or ``None`` outside a capture).
+
+        Leaving a capture: its offload copies must all have been joined into it (the region's
+        end does it; see `join_capture`), else CUDA has refused to end the capture and this
+        says why. Its handlers now belong to the graphs: kept out of the deque, never retired
+        into the pool. Entering one: the eager forward's groups still waiting for a decision
+        stay on the GPU (a copy of them launched inside the capture would wait on an event
+        recorded before it, which invalidates the capture); the eager copies in flight are
+        released without a wait, since a capture begins after a synchronize (PyTorch requires
+        it after warm-up, and `offload.graphs` does it).
+        """
+        old = self._capture
+        if old is not None:
+            unjoined = [g.label for g in self._inflight if g.capture is old]
+            self._inflight = deque(g for g in self._inflight if g.capture is not old)
+            self._capture_reloads.clear()
+            if self._forward is not None and self._forward.capture is old:
+                unjoined += [g.label for g in self._forward.pending.values()]
+                for group in self._forward.pending.values():
+                    group.state = GroupState.KEPT  # never copied by the graph: stays on the GPU
+                self._forward.pending.clear()
+                self._forward.phase = HandlerPhase.FORWARD_DONE
+                self._forward = None
+            for handler in [h for h in self._handlers if h.capture is old]:
+                self._handlers.remove(handler)
+                self._graph_handlers.append(handler)
+            self._capture = None
+            if unjoined:
+                raise OffloadError(
+                    f"offload: a CUDA graph capture ended with the offload copies of {unjoined} not "
+                    "joined into it (started ones make CUDA fail the capture as 'unjoined'; the "
+                    "others were never copied by the graph). Capture through offload.graphs.graph "
+                    "/ make_graphed_callables, or call offload.graphs.join() as the last step "
+                    "inside the captured region."
+                )
+        if token is not None:
+            # Handlers whose backward is over give their buffers back now: the capture wants
+            # them, and a graph API's own warm-up leaves its last handlers unretired. Only those
+            # that hold no device memory (freeing memory inside a capture is not allowed), and
+            # their groups (with their CUDA events) are kept until the capture is over: an event
+            # destroyed while a capture runs invalidates it.
+            for handler in self._retire_candidates:
+                if handler.alive == 0 and handler.capture is None and handler is not self._forward \
+                        and _holds_no_device_memory(handler):
+                    self._graveyard.extend(handler.groups)
+                    self._retire(handler)
+            self._retire_candidates = [h for h in self._retire_candidates if h.phase is not HandlerPhase.RETIRED]
+            while self._inflight:
+                self._inflight.popleft().release()
+            if self._forward is not None:
+                for group in self._forward.pending.values():
+                    group.state = GroupState.KEPT
+                    self._stats[group.name].groups_kept += 1
+                self._forward.pending.clear()
+                self._forward.phase = HandlerPhase.FORWARD_DONE
+                self._forward = None
+        self._capture = token
+
+    def join_capture(self) -> None:
+        """Join every copy this capture forked back into the current stream: the offloads in
+        flight (then their GPU memory is released, inside the graph's pool) and the reloads
+        not yet waited for. Must run inside the capture, after its last offloaded group;
+        outside a capture it does nothing."""
+        if self._sync_capture() is None:
+            return
+        forward = self._forward
+        if forward is not None and forward.capture is self._capture:
+            # Its last groups too: nothing may wait for a decision past the graph's end.
+            self._finish_forward(forward)
+        current = self.streams.current()
+        while self._inflight:
+            self._release(self._inflight.popleft(), wait=True)
+        for event in self._capture_reloads:
+            current.wait_event(event)
+        self._capture_reloads.clear()
+        self._switch_capture(None)  # the session ends; the capture may go on (a new session)
+
+    def enter_region(self, key: Any) -> None:
+        """A graphable region begins (`offload.graphs.region`): eagerly, record the groups it
+        offloads as its plan; under capture, check them against that plan."""
+        capturing = self.streams.capture_token() is not None
+        if capturing and key not in self._region_plans:
+            raise OffloadError(
+                f"offload: graph region {key!r} is being captured but never ran eagerly: run it "
+                "once (same shapes) before capturing, so its plan and pinned buffers exist"
+            )
+        if capturing:  # a region under capture is a whole captured body: its own session
+            if self._capture is not None:
+                self._switch_capture(None)
+            self._switch_capture(_CaptureSession())
+        self._regions.append((key, []))
+
+    def exit_region(self, key: Any) -> None:
+        """The region ends: under capture, join its copies and check it ran its whole plan;
+        eagerly, its groups become its plan."""
+        if not self._regions or self._regions[-1][0] != key:
+            raise OffloadError(f"offload: graph region {key!r} closed out of order")
+        _, steps = self._regions.pop()
+        if self.streams.capture_token() is not None:
+            self.join_capture()
+            plan = self._region_plans[key]
+            if len(steps) != len(plan):
+                raise OffloadError(
+                    f"offload: graph region {key!r} offloaded {len(steps)} group(s) under capture, "
+                    f"but {len(plan)} in its eager warm-up: the group structure changed after the "
+                    "plan was frozen"
+                )
+        else:
+            self._region_plans[key] = steps
+
+    def _plan_step(self, group: OffloadGroup) -> None:
+        """Note ``group`` in the innermost region: its plan, or the check against it."""
+        key, steps = self._regions[-1]
+        step = (group.name, tuple(rec.nbytes for rec in group.records))
+        if group.capture is not None:
+            plan = self._region_plans[key]
+            i = len(steps)
+            expected = plan[i] if i < len(plan) else None
+            if step != expected:
+                raise OffloadError(
+                    f"offload: graph region {key!r}, group {i} under capture is {step[0]!r} saving "
+                    f"{list(step[1])} bytes, but the eager warm-up had "
+                    f"{'nothing more' if expected is None else repr(expected[0]) + ' saving ' + str(list(expected[1]))}"
+                    " bytes: a shape or the group structure changed after the plan was frozen"
+                )
+        steps.append(step)
+
+    def finish_forward(self) -> None:
+        """The forward in progress is over and something other than its own backward follows:
+        offload its last groups now (the last-layer rule keeps them only when the backward
+        follows at once). `offload.graphs.make_graphed_callables` uses it so that its eager
+        pass sizes the pinned pool for captures, which keep nothing."""
+        if self._forward is not None:
+            self._finish_forward(self._forward)
+
+    @property
+    def captured_groups(self) -> list[OffloadGroup]:
+        """The groups captured into CUDA graphs, in capture order; each replay of a forward
+        graph writes its records' pinned buffers (``rec.host``), its backward graph reads them."""
+        return [g for h in self._graph_handlers for g in h.groups]
+
+    def release_graphs(self) -> None:
+        """Give the captured graphs' pinned buffers back to the pool and forget their groups.
+        Only once those graphs will never replay again."""
+        for handler in self._graph_handlers:
+            for group in handler.groups:
+                for rec in group.records:
+                    if rec.host is not None:
+                        self.pool.release(rec.host)
+                    rec.host = rec.src = rec.dev = None
+            handler.clear()
+        self._graph_handlers.clear()
 
     # ------------------------------------------------------------------ statistics
     def _new_iteration_stats(self) -> None:
@@ -620,6 +855,22 @@ class PipelineOffloadManager:
     def in_group(self) -> bool:
         """Whether a group (enabled or not) is open on this manager."""
         return bool(self._names_open)
+
+
+def _holds_no_device_memory(handler: ChunkOffloadHandler) -> bool:
+    """Whether retiring ``handler`` would free no GPU memory and wait on no event."""
+    return all(
+        group.state is not GroupState.OFFLOADING
+        and all(rec.src is None and rec.dev is None for rec in (*group.records, *group.borrowed))
+        for group in handler.groups
+    )
+
+
+class _CaptureSession:
+    """One captured body (see `PipelineOffloadManager._sync_capture`): what groups and events
+    recorded in it are tagged with."""
+
+    __slots__ = ()
 
 
 def _sort_key(handler: ChunkOffloadHandler) -> tuple:

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from .errors import OffloadError
+
 _PAGE = mmap.PAGESIZE
 
 
@@ -71,18 +73,27 @@ class PinnedHostPool:
     def acquire(self, nbytes: int, capturing: bool = False) -> HostBuffer | None:
         """A free buffer of at least ``nbytes``, or ``None`` when none can be had.
 
-        ``None`` means: keep the tensor on the GPU. That happens when pinning fails, when the
-        pool's cap would be passed, or when a CUDA graph is being captured (a pinned
-        allocation then must not happen).
+        ``None`` means: keep the tensor on the GPU. That happens when pinning fails or when the
+        pool's cap would be passed. During a CUDA graph capture a miss raises `OffloadError`:
+        the graph would bake in a buffer allocated on the capture's critical path (or, before
+        torch 2.11, fail the capture), so every buffer a capture uses must exist before it, from
+        an eager warm-up of the same region (see `offload.graphs`).
         """
         cls = size_class(nbytes)
         free = self._free.get(cls)
+        if not free and capturing:  # a capture takes the smallest larger buffer rather than fail
+            larger = [c for c, bufs in self._free.items() if bufs and c > cls]
+            free = self._free[min(larger)] if larger else None
         if free:
             buf = free.pop()
         else:
             if capturing:
-                self._fail("a new pinned buffer was needed while a CUDA graph was being captured")
-                return None
+                raise OffloadError(
+                    f"offload: a pinned host buffer of {nbytes} bytes was needed while a CUDA graph "
+                    "was being captured, and the pool has none free of that size. Run the captured "
+                    "region eagerly with the same shapes first (offload.graphs.make_graphed_callables "
+                    "does), so the buffers exist before the capture."
+                )
             if self.max_bytes is not None and self.bytes_total + cls > self.max_bytes:
                 self._fail(f"the pinned pool would pass its cap of {self.max_bytes} bytes")
                 return None

@@ -3,7 +3,9 @@
 A saved tensor is offloaded only if all of these hold:
 
 * it is a plain dense tensor (``type(t) is torch.Tensor``, strided layout): parameters
-  (``nn.Parameter``), fake/functional tensors and tensor subclasses stay;
+  (``nn.Parameter``), fake/functional tensors and tensor subclasses stay (a quantized
+  subclass such as TE's ``Float8Tensor`` is split into its plain tensors before this test:
+  `offload.quantized`);
 * it lives on the engine's device;
 * it holds at least ``min_tensor_bytes``;
 * it is not a leaf that requires grad (a parameter, a user input, or the detached inputs a

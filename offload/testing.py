@@ -281,3 +281,26 @@ def saved_bytes_by_name(model: nn.Module, mapping: dict[str, str], run: Callable
         for h in hooks:
             h.remove()
     return totals
+
+
+def slow_copy_streams(monkeypatch: Any, spin_cycles: int = 2_000_000) -> None:
+    """Queue a spinning kernel (``spin_cycles``, 2M is about a millisecond) on the side stream
+    before every offload and every reload, so copies run late: any missing event edge then
+    reads or frees memory too early. ``monkeypatch`` is pytest's fixture (undone after the test);
+    inside a CUDA graph capture the spin is captured too."""
+    from .group import OffloadGroup
+
+    launch_offload, launch_reload = OffloadGroup.launch_offload, OffloadGroup.launch_reload
+
+    def slow_offload(self: Any, streams: Any, *args: Any) -> Any:
+        with torch.cuda.stream(streams.d2h):
+            torch.cuda._sleep(spin_cycles)
+        return launch_offload(self, streams, *args)
+
+    def slow_reload(self: Any, streams: Any, *args: Any) -> Any:
+        with torch.cuda.stream(streams.h2d):
+            torch.cuda._sleep(spin_cycles)
+        return launch_reload(self, streams, *args)
+
+    monkeypatch.setattr(OffloadGroup, "launch_offload", slow_offload)
+    monkeypatch.setattr(OffloadGroup, "launch_reload", slow_reload)

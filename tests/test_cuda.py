@@ -15,8 +15,7 @@ import pytest
 import torch
 
 import offload
-from offload.group import OffloadGroup
-from offload.testing import GPT_MAPPING, build_gpt, first_difference, train_step
+from offload.testing import GPT_MAPPING, build_gpt, first_difference, slow_copy_streams, train_step
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -37,22 +36,7 @@ def _inputs(seed, seq, batch, hidden, dtype):
 
 
 def _slow_side_streams(monkeypatch):
-    """Queue a spinning kernel on the side stream before every offload and every reload, so
-    copies run late: any missing event edge then reads or frees memory too early."""
-    launch_offload, launch_reload = OffloadGroup.launch_offload, OffloadGroup.launch_reload
-
-    def slow_offload(self, streams, pool, timing):
-        with torch.cuda.stream(streams.d2h):
-            torch.cuda._sleep(SPIN_CYCLES)
-        return launch_offload(self, streams, pool, timing)
-
-    def slow_reload(self, streams, timing):
-        with torch.cuda.stream(streams.h2d):
-            torch.cuda._sleep(SPIN_CYCLES)
-        return launch_reload(self, streams, timing)
-
-    monkeypatch.setattr(OffloadGroup, "launch_offload", slow_offload)
-    monkeypatch.setattr(OffloadGroup, "launch_reload", slow_reload)
+    slow_copy_streams(monkeypatch, SPIN_CYCLES)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])

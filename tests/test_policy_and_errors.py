@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import offload
+from offload import OffloadError
 from offload.config import OffloadConfig, parse_module_list
 from offload.pinned_pool import PinnedHostPool, size_class
 from offload.policy import TensorPolicy
@@ -197,6 +198,8 @@ def test_bad_config_values():
         OffloadConfig(max_inflight_groups=0)
     with pytest.raises(ValueError, match="not a valid module name"):
         OffloadConfig(modules="core attn,1fc")
+    with pytest.raises(ValueError, match="copy_chunk_bytes"):
+        OffloadConfig(copy_chunk_bytes=-1)
     with pytest.raises(TypeError):
         parse_module_list([3])
 
@@ -245,8 +248,12 @@ def test_pool_reuses_buffers():
 
 def test_pool_refuses_to_allocate_during_capture():
     pool = PinnedHostPool(pin=False)
-    with pytest.warns(RuntimeWarning, match="captured"):
-        assert pool.acquire(100, capturing=True) is None
+    with pytest.raises(OffloadError, match="pinned host buffer of 100 bytes was needed while a CUDA graph"):
+        pool.acquire(100, capturing=True)
+    assert pool.allocations == 0
+    buf = pool.acquire(100)
+    pool.release(buf)
+    assert pool.acquire(100, capturing=True) is buf  # a free buffer of the size class is fine
 
 
 # ---------------------------------------------------------------- stats and nvtx

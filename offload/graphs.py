@@ -1,0 +1,169 @@
+"""Offloading inside CUDA graphs: captured mode, graph regions, and graphed callables.
+
+A CUDA graph replays the kernels and copies recorded during its capture, at the addresses
+recorded then, and runs no Python. So the engine does its work during the capture and the
+graph repeats it: the hooks run while a region is captured, its device-to-host copies, the
+side-stream forks and joins and the events go into the graph, and every replay copies that
+replay's activations into the same pinned buffers (and its backward graph copies them back).
+
+What this needs, and what this module provides:
+
+* **A plan frozen in eager warm-up.** A graphable *region* (`region`) runs eagerly first; the
+  groups it offloads and the bytes each saves become its plan, and the pinned buffers they
+  used stay in the pool. Under capture the same groups must come (else `OffloadError`: the
+  shape or group structure changed), and every buffer must come from the pool (a pinned
+  allocation during capture raises `OffloadError`).
+* **Nothing pending across a graph's edge.** Under capture a group's copy starts when the next
+  group of its name closes, as in eager mode (by then what the module's caller still held is
+  gone), and the region's end starts the last ones and joins every copy into the capturing
+  stream (`join`): the last-layer rule does not apply, since a graph is replayed in many
+  schedules. A reload is prefetched only from the same forward capture, and an event recorded
+  in one capture is never waited on in another: graph replay order orders the rest.
+* **Buffers owned by graphs.** A captured group's pinned buffers never return to the pool
+  (every replay writes them); `PipelineOffloadManager.release_graphs` gives them back once the
+  graphs are gone.
+
+Entry points: `graph` (``torch.cuda.graph`` whose body is a region), `make_graphed_callables`
+(torch's, or Transformer Engine's through ``graph_api=``, over callables that become regions,
+after an eager pass in capture order that sizes the pinned pool), `region` and `join` for
+other capture code. Tensors saved by eager code between graphs are offloaded eagerly, as
+anywhere else (boundary mode). `torch.compile(mode="reduce-overhead")` is not supported:
+its CUDA-graph trees run saved-tensor hooks at trace time only (see docs/graphs.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from .errors import OffloadError
+from .manager import PipelineOffloadManager
+
+__all__ = ["region", "join", "graph", "make_graphed_callables"]
+
+_region_ids = itertools.count()
+
+
+@contextlib.contextmanager
+def region(key: Any) -> Iterator[None]:
+    """A graphable region named ``key``: run eagerly, it records its plan (the groups it
+    offloads and their sizes); under capture, it checks the capture against that plan and, at
+    its end, joins every copy it forked into the capturing stream (so the capture can end)."""
+    manager = PipelineOffloadManager.get()
+    manager.enter_region(key)
+    try:
+        yield
+    finally:
+        manager.exit_region(key)
+
+
+def join() -> None:
+    """Join the offload and reload copies of the capture in progress into the current stream.
+
+    Call it as the last step inside a ``torch.cuda.graph`` capture that offloads without
+    `region`/`graph`; outside a capture it does nothing."""
+    PipelineOffloadManager.get().join_capture()
+
+
+@contextlib.contextmanager
+def graph(cuda_graph: torch.cuda.CUDAGraph, key: Any = "graph", **graph_kwargs: Any) -> Iterator[None]:
+    """``torch.cuda.graph(cuda_graph, **graph_kwargs)`` whose body is the region ``key``.
+
+    Run the same body eagerly inside ``offload.graphs.region(key)`` at least once before (the
+    warm-up that PyTorch asks for anyway); this synchronizes the device before capturing, as
+    a capture must not depend on eager copies still in flight."""
+    torch.cuda.synchronize()
+    with torch.cuda.graph(cuda_graph, **graph_kwargs):
+        with region(key):
+            yield
+
+
+class _RegionModule(torch.nn.Module):
+    """A module whose forward is a region; what `make_graphed_callables` graphs."""
+
+    def __init__(self, module: torch.nn.Module, key: Any) -> None:
+        super().__init__()
+        self.module = module
+        self.key = key
+
+    def forward(self, *args: Any) -> Any:
+        with region(self.key):
+            return self.module(*args)
+
+
+def _as_region(fn: Callable, key: Any) -> Callable:
+    if isinstance(fn, torch.nn.Module):
+        return _RegionModule(fn, key)
+
+    def run(*args: Any) -> Any:
+        with region(key):
+            return fn(*args)
+
+    return run
+
+
+def _prepare(callables: Sequence[Callable], sample_args: Sequence[tuple], iterations: int) -> None:
+    """The warm-up, ours rather than the graph API's: ``iterations`` eager passes in the order
+    the captures will run (every forward, then every backward in reverse) on a side stream, as
+    torch's own warm-up does. Each region records its plan, the pinned pool ends up holding a
+    buffer for every group all the captures offload, and every handler is retired before the
+    first capture."""
+    manager = PipelineOffloadManager.get()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        for _ in range(max(1, iterations)):
+            runs = []
+            for fn, args in zip(callables, sample_args):
+                outputs = tuple(o for o in torch.utils._pytree.tree_leaves(fn(*args))
+                                if isinstance(o, torch.Tensor) and o.requires_grad)
+                surface = tuple(a for a in args if isinstance(a, torch.Tensor) and a.requires_grad)
+                if isinstance(fn, torch.nn.Module):
+                    surface += tuple(p for p in fn.parameters() if p.requires_grad)
+                runs.append((outputs, surface))
+            manager.finish_forward()
+            for outputs, surface in reversed(runs):
+                if outputs and surface:
+                    torch.autograd.grad(outputs, surface, tuple(torch.zeros_like(o) for o in outputs),
+                                        allow_unused=True)
+            del runs
+    torch.cuda.synchronize()
+    manager.end_iteration(check_names=False)  # names that only run outside the graphs come later
+
+
+def make_graphed_callables(
+    callables: Callable | Sequence[Callable],
+    sample_args: tuple | Sequence[tuple],
+    *,
+    graph_api: Callable | None = None,
+    **graph_kwargs: Any,
+) -> Any:
+    """``torch.cuda.make_graphed_callables`` with offloading captured in the graphs.
+
+    Each callable becomes a region (its forward graph joins its copies before its capture
+    ends); ``num_warmup_iters`` eager passes in capture order (our warm-up; the API runs one
+    of its own) record the regions' plans and size the pinned pool; then ``graph_api`` (default
+    ``torch.cuda.make_graphed_callables``; pass
+    ``transformer_engine.pytorch.make_graphed_callables`` for TE) captures them, with
+    ``graph_kwargs`` passed through. Returns what ``graph_api`` returns, for the wrapped
+    callables (call those, not the originals). Modules must not carry hooks of their own at
+    the top (PyTorch refuses them); groups attached to submodules are what offloading uses.
+    """
+    single = callable(callables) and not isinstance(callables, (tuple, list))
+    fns = (callables,) if single else tuple(callables)
+    args = (sample_args,) if single else tuple(sample_args)
+    if len(fns) != len(args):
+        raise OffloadError(f"offload: {len(fns)} callables but {len(args)} sample_args tuples")
+    if not torch.cuda.is_available():
+        raise OffloadError("offload: CUDA graphs need a CUDA device")
+    base = next(_region_ids)
+    wrapped = tuple(_as_region(fn, ("graphed", base, i)) for i, fn in enumerate(fns))
+    api = graph_api if graph_api is not None else torch.cuda.make_graphed_callables
+    own_api = api is torch.cuda.make_graphed_callables
+    _prepare(wrapped, args, graph_kwargs.pop("num_warmup_iters", 3))
+    # torch's API needs no warm-up after ours; Transformer Engine's records per-callable state
+    # in its own (its handlers are retired when the first capture begins).
+    return api(wrapped[0] if single else wrapped, args[0] if single else args,
+               num_warmup_iters=0 if own_api else 1, **graph_kwargs)

@@ -1,0 +1,486 @@
+"""Offloading captured in CUDA graphs, on a real GPU (skipped without CUDA).
+
+    OFFLOAD_RESULTS_DIR=$OUT python -m pytest -q -m cuda tests/test_cuda_graphs.py
+
+Eager and graphed, each with offloading on and off, over fresh inputs: outputs and every
+gradient bitwise equal. Graphs through ``torch.cuda.make_graphed_callables`` (all forwards,
+then all backwards), through ``offload.graphs.graph`` in 1F1B order, and through Transformer
+Engine's ``make_graphed_callables`` where TE is installed; partial capture (graphed attention,
+eager MLP) and a capture broken around an eager operation; what the pinned buffers hold after
+a replay; hook calls during replays; the graph pool's growth with depth; 1000 replays; slowed
+copy streams; and the errors for what cannot work.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from offload import OffloadError
+from offload.testing import GPT_MAPPING, build_gpt, first_difference, slow_copy_streams
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+NAMES = ["core_attn", "fc1", "mlp_act", "fc2"]
+SEQ, BATCH, HIDDEN, HEADS = 256, 2, 256, 4
+SPIN_CYCLES = 2_000_000
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(False)
+    torch.cuda.synchronize()
+
+
+def _inputs(seed, microbatches=2, seq=SEQ):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [(torch.randn(seq, BATCH, HIDDEN, device="cuda", generator=g),
+             torch.randn(seq, BATCH, HIDDEN, device="cuda", generator=g)) for _ in range(microbatches)]
+
+
+def _model(layers=2, seed=0):
+    return build_gpt(HIDDEN, HEADS, layers, device="cuda", seed=seed)
+
+
+def _grads(model, inputs):
+    out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    for i, x in enumerate(inputs):
+        out[f"<input{i}>"] = x.grad.detach().clone()
+    return out
+
+
+def _eager_step(model, data, order):
+    """Forwards and backwards of the stack over microbatches in ``order`` (``+m`` forward of
+    microbatch m, ``-m`` its backward; 1-based); returns outputs and gradients."""
+    model.zero_grad(set_to_none=True)
+    xs = [x.clone().requires_grad_(True) for x, _ in data]
+    outs = {}
+    for step in order:
+        m = abs(step) - 1
+        if step > 0:
+            h = xs[m]
+            for layer in model.layers:
+                h = layer(h)
+            outs[m] = h
+        else:
+            outs[m].backward(data[m][1])
+    return [outs[m].detach() for m in range(len(data))], _grads(model, xs)
+
+
+class Graphed:
+    """Per (layer, microbatch) graphed callables from make_graphed_callables (torch or TE)."""
+
+    def __init__(self, model, microbatches, graph_api=None, seq=SEQ):
+        layers = list(model.layers)
+        callables = tuple(layer for _ in range(microbatches) for layer in layers)
+        sample = tuple((torch.randn(seq, BATCH, HIDDEN, device="cuda", requires_grad=True),)
+                       for _ in callables)
+        self.model = model
+        self.layers = len(layers)
+        self.fns = offload.graphs.make_graphed_callables(callables, sample, graph_api=graph_api)
+
+    def step(self, data, order):
+        self.model.zero_grad(set_to_none=True)
+        xs = [x.clone().requires_grad_(True) for x, _ in data]
+        outs = {}
+        for step in order:
+            m = abs(step) - 1
+            if step > 0:
+                h = xs[m]
+                for i in range(self.layers):
+                    h = self.fns[m * self.layers + i](h)
+                outs[m] = h
+            else:
+                outs[m].backward(data[m][1])
+        return [outs[m].detach() for m in range(len(data))], _grads(self.model, xs)
+
+
+class OrderedGraphs:
+    """The stack of each microbatch as one forward graph and one backward graph, captured with
+    `offload.graphs.graph` in the order they will replay (1F1B here), sharing one pool."""
+
+    def __init__(self, model, microbatches, order):
+        self.model = model
+        self.named = [(n, p) for n, p in model.named_parameters() if n.startswith("layers.")]
+        self.params = tuple(p for _, p in self.named)
+        self.static_x = [torch.randn(SEQ, BATCH, HIDDEN, device="cuda", requires_grad=True)
+                         for _ in range(microbatches)]
+        self.static_g = [torch.randn(SEQ, BATCH, HIDDEN, device="cuda") for _ in range(microbatches)]
+        self.fwd = [torch.cuda.CUDAGraph() for _ in range(microbatches)]
+        self.bwd = [torch.cuda.CUDAGraph() for _ in range(microbatches)]
+        self.out: list = [None] * microbatches
+        self.grads: list = [None] * microbatches
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # eager warm-up, in the capture order: the plans and buffers
+            outs = {}
+            for step in order:
+                m = abs(step) - 1
+                if step > 0:
+                    with offload.graphs.region(("stack", m)):
+                        outs[m] = self._forward(self.static_x[m])
+                else:
+                    torch.autograd.grad(outs[m], (self.static_x[m], *self.params), self.static_g[m])
+            del outs
+        torch.cuda.current_stream().wait_stream(side)
+        offload.end_iteration()
+        pool = torch.cuda.graph_pool_handle()
+        for step in order:
+            m = abs(step) - 1
+            if step > 0:
+                with offload.graphs.graph(self.fwd[m], key=("stack", m), pool=pool):
+                    self.out[m] = self._forward(self.static_x[m])
+            else:
+                with torch.cuda.graph(self.bwd[m], pool=pool):
+                    self.grads[m] = torch.autograd.grad(self.out[m], (self.static_x[m], *self.params),
+                                                        self.static_g[m])
+                    offload.graphs.join()
+        self.order = order
+
+    def _forward(self, h):
+        for layer in self.model.layers:
+            h = layer(h)
+        return h
+
+    def step(self, data, order):
+        assert order == self.order
+        total = None
+        for step in order:
+            m = abs(step) - 1
+            if step > 0:
+                self.static_x[m].detach().copy_(data[m][0])
+                self.fwd[m].replay()
+            else:
+                self.static_g[m].copy_(data[m][1])
+                self.bwd[m].replay()
+                grads = [g.clone() for g in self.grads[m]]
+                total = grads if total is None else [a + b for a, b in zip(total, grads)]
+        got = dict(zip([n for n, _ in self.named], total[1:]))
+        got.update({f"<input{m}>": self.grads[m][0].clone() for m in range(len(data))})
+        return [self.out[m].detach().clone() for m in range(len(data))], got
+
+
+def _reference(ref, data, order):
+    """``ref``: a copy of the model taken before `offload.attach` (so it offloads nothing)."""
+    a = _eager_step(ref, data, order)
+    b = _eager_step(ref, data, order)
+    assert first_difference(a[1], b[1]) is None, "the reference is not reproducible"
+    return a
+
+
+def _chain(exc):
+    """Every message in an exception's context chain (a failed capture raises on its way out)."""
+    text = []
+    while exc is not None:
+        text.append(str(exc))
+        exc = exc.__context__ or exc.__cause__
+    return " | ".join(text)
+
+
+def _assert_equal(got, ref):
+    for o, r in zip(got[0], ref[0]):
+        assert torch.equal(o, r)
+    assert first_difference(ref[1], got[1]) is None
+
+
+ALL_FWD_THEN_BWD = [1, 2, -2, -1]
+ONE_F_ONE_B = [1, 2, -1, -2]
+
+
+@pytest.mark.parametrize("offloading", [False, True], ids=["plain", "offload"])
+def test_make_graphed_callables_bitwise(configure, offloading):
+    """Per (layer, microbatch) graphs from torch's make_graphed_callables, all forwards then all
+    backwards: eager and graphed, with offloading on and off, equal bitwise on fresh inputs."""
+    model = _model()
+    ref_model = copy.deepcopy(model)
+    manager = configure(NAMES if offloading else [], device="cuda", min_tensor_bytes=1 << 16)
+    offload.attach(model, GPT_MAPPING)
+    refs = [_reference(ref_model, _inputs(seed), ALL_FWD_THEN_BWD) for seed in range(3)]
+    for seed in range(3):
+        _assert_equal(_eager_step(model, _inputs(seed), ALL_FWD_THEN_BWD), refs[seed])
+        offload.end_iteration()
+    graphed = Graphed(model, 2)
+    if offloading:
+        assert len(manager.captured_groups) == 2 * 2 * len(NAMES), dict(manager._stats)
+        assert sum(rec.nbytes for g in manager.captured_groups for rec in g.records if rec.host is not None) > 0
+    calls = manager.hook_calls
+    for seed in range(3):
+        _assert_equal(graphed.step(_inputs(seed), ALL_FWD_THEN_BWD), refs[seed])
+    assert manager.hook_calls == calls, "a replay runs none of our Python"
+
+
+def test_ordered_graphs_1f1b_bitwise_and_buffers_hold_the_replay(configure):
+    """Whole-stack graphs per microbatch captured in 1F1B order with offload.graphs.graph:
+    bitwise equal to eager; after each forward replay the pinned buffers hold that replay's
+    activations (here: the GeLU input, i.e. fc1's output, of every layer)."""
+    model = _model()
+    ref_model = copy.deepcopy(model)
+    manager = configure(NAMES, device="cuda", min_tensor_bytes=1 << 16)
+    offload.attach(model, GPT_MAPPING)
+    graphs = OrderedGraphs(model, 2, ONE_F_ONE_B)
+    captured = [g for g in manager.captured_groups if g.name == "mlp_act"]
+    assert len(captured) == 2 * len(model.layers)
+    calls = manager.hook_calls
+    for seed in range(3):
+        data = _inputs(seed)
+        ref = _reference(ref_model, data, ONE_F_ONE_B)
+        _assert_equal(graphs.step(data, ONE_F_ONE_B), ref)
+        for m in range(2):  # what microbatch m's forward graph wrote into its pinned buffers
+            h = data[m][0]
+            for i, layer in enumerate(ref_model.layers):
+                expected = layer.mlp.linear_fc1(layer.pre_mlp_layernorm(h + layer.self_attention(layer.input_layernorm(h))))
+                group = captured[m * len(model.layers) + i]
+                (rec,) = group.records
+                assert torch.equal(rec.host.view(rec.dtype, rec.numel).cuda(), expected.detach().flatten())
+                h = layer(h)
+    assert manager.hook_calls == calls
+
+
+def test_te_make_graphed_callables_bitwise(configure):
+    te = pytest.importorskip("transformer_engine.pytorch", reason="Transformer Engine is not installed")
+    # TE's cuDNN wheel and the image's cuDNN disagree on a symbol that torch's cuDNN attention
+    # backend needs (seen on the H100 machine): our model's attention uses the other backends.
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    model = _model()
+    ref_model = copy.deepcopy(model)
+    configure(NAMES, device="cuda", min_tensor_bytes=1 << 16)
+    offload.attach(model, GPT_MAPPING)
+    ref = _reference(ref_model, _inputs(0), ALL_FWD_THEN_BWD)
+    try:
+        graphed = Graphed(model, 2, graph_api=te.make_graphed_callables)
+        for seed in range(3):
+            _assert_equal(graphed.step(_inputs(seed), ALL_FWD_THEN_BWD),
+                          ref if seed == 0 else _reference(ref_model, _inputs(seed), ALL_FWD_THEN_BWD))
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+
+
+def test_slowed_copy_streams_inside_the_capture(configure, monkeypatch):
+    slow_copy_streams(monkeypatch, SPIN_CYCLES)
+    model = _model()
+    ref_model = copy.deepcopy(model)
+    configure(NAMES, device="cuda", min_tensor_bytes=1 << 16)
+    offload.attach(model, GPT_MAPPING)
+    graphs = OrderedGraphs(model, 2, ONE_F_ONE_B)
+    graphed = Graphed(model, 2)
+    for seed in range(5):
+        data = _inputs(seed)
+        ref = _reference(ref_model, data, ONE_F_ONE_B)
+        _assert_equal(graphs.step(data, ONE_F_ONE_B), ref)
+        ref = _reference(ref_model, data, ALL_FWD_THEN_BWD)
+        _assert_equal(graphed.step(data, ALL_FWD_THEN_BWD), ref)
+
+
+class AttentionBlock(nn.Module):
+    """A layer's attention half (its own submodules only, as a graphed callable must use all
+    the parameters it holds)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.input_layernorm = layer.input_layernorm
+        self.self_attention = layer.self_attention
+
+    def forward(self, x):
+        return x + self.self_attention(self.input_layernorm(x))
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, layer):
+        super().__init__()
+        self.pre_mlp_layernorm = layer.pre_mlp_layernorm
+        self.mlp = layer.mlp
+
+    def forward(self, x):
+        return x + self.mlp(self.pre_mlp_layernorm(x))
+
+
+def _eager_dispatch(x, weight, grouped=True):
+    """An eager step between graphs, like MoE dispatch: a host sync and a data-dependent
+    choice, then a matmul whose saved tensors are offloaded eagerly (group ``expert_fc1``)."""
+    keep = int((x[0, 0] > -1e9).sum().item())  # host sync: cannot be captured
+    if not grouped:
+        return x + torch.tanh(x[:, :keep] @ weight)
+    with offload.group("expert_fc1"):
+        return x + torch.tanh(x[:, :keep] @ weight)
+
+
+@pytest.mark.parametrize("pattern", ["partial", "breakable"])
+def test_partial_and_breakable_capture(configure, pattern):
+    """``partial``: each layer's attention block is graphed, its MLP runs eagerly.
+    ``breakable``: attention block graphed, an eager dispatch step, then the MLP block graphed
+    (a capture broken around an eager operation). Offloading works in every part."""
+    model = _model()
+    ref_model = copy.deepcopy(model)
+    weight = torch.randn(HIDDEN, HIDDEN, device="cuda", requires_grad=True)
+    names = NAMES + (["expert_fc1"] if pattern == "breakable" else [])
+    manager = configure(names, device="cuda", min_tensor_bytes=1 << 16)
+    offload.attach(model, GPT_MAPPING)
+
+    def run(net, fns, data):
+        net.zero_grad(set_to_none=True)
+        weight.grad = None
+        xs = [x.clone().requires_grad_(True) for x, _ in data]
+        outs = []
+        for m, x in enumerate(xs):
+            h = x
+            for i in range(len(net.layers)):
+                h = fns["attn"][m][i](h)
+                if pattern == "breakable":
+                    h = _eager_dispatch(h, weight, grouped=net is model)
+                h = fns["mlp"][m][i](h)
+            outs.append(h)
+        for m in reversed(range(len(xs))):
+            outs[m].backward(data[m][1])
+        grads = _grads(net, xs)
+        if pattern == "breakable":
+            grads["<weight>"] = weight.grad.clone()
+        return [o.detach() for o in outs], grads
+
+    eager = {"attn": [[AttentionBlock(l) for l in ref_model.layers]] * 2,
+             "mlp": [[MLPBlock(l) for l in ref_model.layers]] * 2}
+    refs = [run(ref_model, eager, _inputs(seed)) for seed in range(2)]
+    assert first_difference(refs[0][1], run(ref_model, eager, _inputs(0))[1]) is None
+
+    def sample():
+        return tuple((torch.randn(SEQ, BATCH, HIDDEN, device="cuda", requires_grad=True),)
+                     for _ in range(2 * len(model.layers)))
+
+    graphed = offload.graphs.make_graphed_callables(
+        tuple(AttentionBlock(l) for _ in range(2) for l in model.layers), sample())
+    if pattern == "breakable":
+        graphed_mlp = offload.graphs.make_graphed_callables(
+            tuple(MLPBlock(l) for _ in range(2) for l in model.layers), sample())
+    else:
+        graphed_mlp = [MLPBlock(l) for _ in range(2) for l in model.layers]
+    n = len(model.layers)
+    fns = {"attn": [graphed[m * n:(m + 1) * n] for m in range(2)],
+           "mlp": [graphed_mlp[m * n:(m + 1) * n] for m in range(2)]}
+    for seed in range(2):
+        _assert_equal(run(model, fns, _inputs(seed)), refs[seed])
+        stats = offload.end_iteration()
+        eager_names = {"fc1", "mlp_act", "fc2"} if pattern == "partial" else {"expert_fc1"}
+        for name in eager_names:
+            assert stats.by_name[name].bytes_offloaded > 0, name  # offloaded eagerly, between graphs
+    assert {g.name for g in manager.captured_groups} >= {"core_attn"}
+
+
+POOL_SEQ = 2048
+
+
+def _graph_pool_bytes():
+    """Bytes of the segments that belong to private (CUDA graph) memory pools."""
+    segments = torch.cuda.memory._snapshot()["segments"]
+    return sum(seg["total_size"] for seg in segments if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0))
+
+
+def _pool_size(layers, offloading):
+    """The graph pool of ``layers`` per-layer graphs (one microbatch), captured after warm-up."""
+    gc.collect()  # graphs of earlier measurements die here (their callables hold cycles)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = _graph_pool_bytes()  # graphs of earlier tests may still be alive
+    model = _model(layers)
+    offload.configure(NAMES if offloading else [], device="cuda", min_tensor_bytes=1 << 16)
+    offload.attach(model, GPT_MAPPING)
+    graphed = Graphed(model, 1, seq=POOL_SEQ)
+    torch.cuda.synchronize()
+    size = _graph_pool_bytes() - base
+    del graphed, model
+    offload.reset(release_pool=True)
+    return size
+
+
+def test_graph_pool_grows_less_with_depth_when_offloading():
+    results = {offloading: [_pool_size(layers, offloading) for layers in (4, 8)] for offloading in (False, True)}
+    slope_plain = results[False][1] - results[False][0]
+    slope_offload = results[True][1] - results[True][0]
+    record = {"layers": [4, 8], "plain_pool_bytes": results[False], "offload_pool_bytes": results[True],
+              "growth_plain": slope_plain, "growth_offload": slope_offload,
+              "model": f"seq {POOL_SEQ} batch {BATCH} hidden {HIDDEN} heads {HEADS} fp32, per-layer graphs, "
+                       f"offload {NAMES}",
+              "measure": "sum of CUDA graph private-pool segments (torch.cuda.memory._snapshot)"}
+    print(json.dumps(record))
+    out = os.environ.get("OFFLOAD_RESULTS_DIR")
+    if out:
+        with open(os.path.join(out, "graph_pool_growth.json"), "w") as f:
+            json.dump(record, f, indent=1)
+    assert results[True][0] < results[False][0] and results[True][1] < results[False][1]
+    assert 0 < slope_offload < slope_plain
+
+
+def test_thousand_replays_leak_nothing(configure):
+    model = _model()
+    manager = configure(NAMES, device="cuda", min_tensor_bytes=1 << 16)
+    offload.attach(model, GPT_MAPPING)
+    graphed = Graphed(model, 2)
+    data = _inputs(0)
+    for _ in range(10):
+        graphed.step(data, ALL_FWD_THEN_BWD)
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    start = (torch.cuda.memory_reserved(), manager.pool.bytes_total, manager.pool.num_buffers,
+             manager.pool.allocations, manager.hook_calls, len(manager.captured_groups))
+    for _ in range(1000):
+        graphed.step(data, ALL_FWD_THEN_BWD)
+    torch.cuda.synchronize()
+    end = (torch.cuda.memory_reserved(), manager.pool.bytes_total, manager.pool.num_buffers,
+           manager.pool.allocations, manager.hook_calls, len(manager.captured_groups))
+    assert end == start
+    assert torch.cuda.memory_allocated() <= allocated
+
+
+def test_errors_changed_shape_and_unjoined(configure):
+    model = _model(1)
+    configure(NAMES, device="cuda", min_tensor_bytes=1 << 16)
+    offload.attach(model, GPT_MAPPING)
+    layer = model.layers[0]
+    x = torch.randn(SEQ, BATCH, HIDDEN, device="cuda", requires_grad=True)
+    with offload.graphs.region("L"):
+        layer(x).sum().backward()
+    offload.end_iteration()
+    torch.cuda.synchronize()
+    longer = torch.randn(2 * SEQ, BATCH, HIDDEN, device="cuda", requires_grad=True)
+    with pytest.raises(Exception) as info:
+        with offload.graphs.graph(torch.cuda.CUDAGraph(), key="L"):
+            layer(longer)
+    assert "changed after the plan was frozen" in _chain(info.value)
+    offload.reset()
+    # A raw capture without a join: CUDA refuses to end it, and the engine says why.
+    with offload.graphs.region("L"):
+        layer(x).sum().backward()
+    offload.end_iteration()
+    torch.cuda.synchronize()
+    try:  # CUDA may refuse to end the capture ("unjoined"); either way the engine knows
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            out = layer(x)  # noqa: F841
+    except RuntimeError:
+        pass
+    with pytest.raises(OffloadError, match="not joined"):
+        layer(x)
+    offload.reset(release_pool=True)
+
+
+def test_error_pinned_allocation_during_capture(configure):
+    model = _model(1)
+    configure(NAMES, device="cuda", min_tensor_bytes=1 << 16)
+    offload.attach(model, GPT_MAPPING)
+    x = torch.randn(SEQ, BATCH, HIDDEN, device="cuda", requires_grad=True)
+    torch.cuda.synchronize()
+    manager = offload.get_manager()
+    assert manager.pool.num_buffers == 0
+    with pytest.raises(Exception) as info:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            out = model.layers[0](x)  # noqa: F841 - keeps the saved tensors alive
+            offload.graphs.join()
+            raise AssertionError(f"no pinned allocation was attempted: {dict(manager._stats)}")
+    assert "pinned host buffer" in _chain(info.value)
+    offload.reset(release_pool=True)

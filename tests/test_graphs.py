@@ -1,0 +1,237 @@
+"""Captured-mode logic on the CPU fallback, with a stand-in for "the stream is capturing".
+
+The real captures run in tests/test_cuda_graphs.py on the GPU; here the engine is told that a
+capture is in progress (``capture_token`` returns a token) so that the decisions it takes then
+(offload at close, no prefetch across graphs, plans, joins, graph-owned buffers, errors) are
+checked on every machine.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import offload
+from offload import OffloadError
+from offload.group import GroupState
+from offload.testing import GPT_MAPPING, build_gpt, first_difference
+
+NAMES = ["core_attn", "fc1", "mlp_act"]
+
+
+class Graph:
+    """Stands for a `torch.cuda.CUDAGraph` being captured into."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"Graph({self.name})"
+
+
+def _capturing(manager, token):
+    manager.streams.capture_token = lambda: token
+    manager.streams.is_capturing = lambda: token is not None
+
+
+def _data(seed, seq=8):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(seq, 2, 32, generator=g), torch.randn(seq, 2, 32, generator=g)
+
+
+def _step(layer, x, g, key=None):
+    """Forward in region ``key`` (if any), then backward; returns output and all gradients."""
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_(True)
+    if key is None:
+        out = layer(x)
+    else:
+        with offload.graphs.region(key):
+            out = layer(x)
+    out.backward(g)
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    grads["<input>"] = x.grad.clone()
+    return out.detach(), grads
+
+
+@pytest.fixture
+def setup(configure):
+    model = build_gpt(32, 4, 2)
+    ref = copy.deepcopy(model)
+    manager = configure(NAMES)
+    offload.attach(model, GPT_MAPPING)
+    return model.layers[0], ref.layers[0], manager
+
+
+def test_captured_region_offloads_everything_at_close_and_owns_its_buffers(setup):
+    layer, ref_layer, manager = setup
+    x, g = _data(0)
+    _step(layer, x, g, key="L0")  # eager warm-up: the plan
+    offload.end_iteration()
+    assert [s[0] for s in manager._region_plans["L0"]] == NAMES
+    allocations = manager.pool.allocations
+
+    fwd, bwd = Graph("fwd"), Graph("bwd")
+    _capturing(manager, fwd)
+    xc = x.detach().requires_grad_(True)
+    with offload.graphs.region("L0"):
+        out = layer(xc)
+        groups = [grp for h in manager._handlers if h.capture is not None for grp in h.groups]
+        assert [grp.name for grp in groups] == NAMES
+    assert all(grp.state is GroupState.OFFLOADED for grp in groups), "the region's end offloads all"
+    assert not manager._inflight, "the region's end joins every copy"
+    assert manager.pool.allocations == allocations, "a capture takes its buffers from the warm-up's"
+    _capturing(manager, bwd)
+    layer.zero_grad(set_to_none=True)
+    out.backward(g)
+    offload.graphs.join()
+    _capturing(manager, None)
+
+    ref_out, ref = _step(ref_layer, x, g)
+    assert torch.equal(out.detach(), ref_out)
+    got = {n: p.grad for n, p in layer.named_parameters()}
+    got["<input>"] = xc.grad
+    assert first_difference(ref, got) is None
+
+    captured = manager.captured_groups
+    assert [grp.name for grp in captured] == NAMES
+    buffers = {id(rec.host) for grp in captured for rec in grp.records if rec.host is not None}
+    assert buffers, "the graph keeps its pinned buffers after its backward"
+    offload.end_iteration()
+    _step(layer, *_data(1), key="L0")  # an eager step after the capture cannot take them
+    offload.end_iteration()
+    assert buffers == {id(rec.host) for grp in manager.captured_groups for rec in grp.records if rec.host is not None}
+    assert manager.pool.allocations > allocations
+
+    manager.release_graphs()
+    assert manager.captured_groups == []
+    assert manager.pool.bytes_in_use == 0
+
+
+def test_changed_shape_under_capture_raises(setup):
+    layer, _, manager = setup
+    _step(layer, *_data(0, seq=8), key="L0")
+    offload.end_iteration()
+    _capturing(manager, Graph("fwd"))
+    x, _ = _data(0, seq=16)
+    with pytest.raises(OffloadError, match="changed after the plan was frozen"):
+        with offload.graphs.region("L0"):
+            layer(x.requires_grad_(True))
+    _capturing(manager, None)
+    offload.reset()
+
+
+def test_changed_group_structure_under_capture_raises(setup):
+    layer, _, manager = setup
+    x, g = _data(0)
+    _step(layer, x, g, key="L0")
+    offload.end_iteration()
+    _capturing(manager, Graph("fwd"))
+    with pytest.raises(OffloadError, match="1 group.s. under capture, but 3"):
+        with offload.graphs.region("L0"):
+            layer.self_attention(x.clone().requires_grad_(True))
+    _capturing(manager, None)
+    offload.reset()
+
+
+def test_capture_of_a_region_that_never_ran_eagerly_raises(setup):
+    layer, _, manager = setup
+    _capturing(manager, Graph("fwd"))
+    with pytest.raises(OffloadError, match="never ran eagerly"):
+        with offload.graphs.region("new"):
+            pass
+    _capturing(manager, None)
+
+
+def test_capture_ended_without_join_is_reported(setup):
+    layer, _, manager = setup
+    x, g = _data(0)
+    _step(layer, x, g, key="L0")
+    offload.end_iteration()
+    _capturing(manager, Graph("fwd"))
+    layer(x.clone().requires_grad_(True))  # no region, no join: copies stay forked
+    _capturing(manager, None)
+    with pytest.raises(OffloadError, match="not joined into it"):
+        _step(layer, x, g)
+    offload.reset()
+
+
+def test_capture_starts_clean_from_an_eager_forward(setup):
+    """An eager forward whose last groups are still undecided when a capture begins keeps
+    them on the GPU (their copy cannot start inside the capture); its gradients stay exact."""
+    layer, ref_layer, manager = setup
+    x, g = _data(0)
+    _step(layer, x, g, key="L0")
+    offload.end_iteration()
+    xe = x.detach().requires_grad_(True)
+    eager_out = layer(xe)
+    eager_handler = manager._forward
+    _capturing(manager, Graph("fwd"))
+    with offload.graphs.region("L0"):
+        layer(x.detach().requires_grad_(True))
+    _capturing(manager, None)
+    assert all(grp.state is not GroupState.PENDING for grp in eager_handler.groups)
+    assert eager_handler.groups[-1].state is GroupState.KEPT
+    layer.zero_grad(set_to_none=True)
+    eager_out.backward(g)
+    _, ref = _step(ref_layer, x, g)
+    got = {n: p.grad for n, p in layer.named_parameters()}
+    got["<input>"] = xe.grad
+    assert first_difference(ref, got) is None
+    offload.reset(release_pool=True)
+
+
+def test_no_prefetch_across_graphs(setup):
+    """Two layers captured into two forward graphs: the backward of the second must not
+    prefetch the first's tensors (its events belong to another graph)."""
+    layer, _, manager = setup
+    other = build_gpt(32, 4, 2).layers[1]
+    offload.attach(torch.nn.ModuleList([other]), {"core_attn": "0.self_attention.core_attention"})
+    x, g = _data(0)
+    with offload.graphs.region("A"):  # warm-up in the capture order: both forwards, then backward
+        h = layer(x.clone().requires_grad_(True))
+    with offload.graphs.region("B"):
+        out = other(h)
+    out.backward(g)
+    offload.end_iteration()
+    fa, fb, bwd = Graph("fa"), Graph("fb"), Graph("bwd")
+    xa = x.clone().requires_grad_(True)
+    _capturing(manager, fa)
+    with offload.graphs.region("A"):
+        h = layer(xa)
+    _capturing(manager, fb)
+    with offload.graphs.region("B"):
+        out = other(h)
+    _capturing(manager, bwd)
+    out.backward(g)
+    _capturing(manager, None)
+    stats = offload.end_iteration()
+    assert stats.by_name["core_attn"].reloads_prefetched == 0
+    assert stats.by_name["core_attn"].reloads_on_demand == 2
+
+
+def test_capture_takes_a_larger_free_buffer_rather_than_allocate():
+    from offload.pinned_pool import PinnedHostPool
+
+    pool = PinnedHostPool(pin=False)
+    big = pool.acquire(1 << 20)
+    pool.release(big)
+    assert pool.acquire(1000, capturing=True) is big
+    assert pool.allocations == 1
+
+
+def test_hook_calls_are_counted(setup):
+    layer, _, manager = setup
+    before = manager.hook_calls
+    _step(layer, *_data(0))
+    assert manager.hook_calls > before
+
+
+def test_region_closed_out_of_order_raises(setup):
+    _, _, manager = setup
+    manager.enter_region("a")
+    with pytest.raises(OffloadError, match="out of order"):
+        manager.exit_region("b")
+    offload.reset()
