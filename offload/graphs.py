@@ -27,8 +27,8 @@ Entry points: `graph` (``torch.cuda.graph`` whose body is a region), `make_graph
 (torch's, or Transformer Engine's through ``graph_api=``, over callables that become regions,
 after an eager pass in capture order that sizes the pinned pool), `region` and `join` for
 other capture code. Tensors saved by eager code between graphs are offloaded eagerly, as
-anywhere else (boundary mode). `torch.compile(mode="reduce-overhead")` is not supported:
-its CUDA-graph trees run saved-tensor hooks at trace time only (see docs/graphs.md).
+anywhere else (boundary mode). `torch.compile` is not supported: what compiled code saves never
+reaches the hooks, so nothing is offloaded there (see docs/graphs.md).
 """
 
 from __future__ import annotations

@@ -235,3 +235,23 @@ def test_region_closed_out_of_order_raises(setup):
     with pytest.raises(OffloadError, match="out of order"):
         manager.exit_region("b")
     offload.reset()
+
+
+def test_torch_compile_offloads_nothing_and_stays_exact(configure):
+    """Under torch.compile the compiled graph saves its tensors itself: the hooks never see them,
+    so nothing is offloaded (the stats say so: groups run, zero bytes) and gradients are exact.
+    docs/graphs.md says why this mode is unsupported."""
+    model = build_gpt(32, 4, 2)
+    ref = copy.deepcopy(model)
+    configure(["fc1"])
+    offload.attach(model, GPT_MAPPING)
+    compiled = torch.compile(model, backend="eager")
+    x, g = _data(0)
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    compiled(xa).backward(g)
+    ref(xb).backward(g)
+    stats = offload.end_iteration()
+    assert stats.by_name["fc1"].groups > 0 and stats.by_name["fc1"].bytes_offloaded == 0
+    assert torch.equal(xa.grad, xb.grad)
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p.grad, q.grad), n
