@@ -237,10 +237,11 @@ def test_region_closed_out_of_order_raises(setup):
     offload.reset()
 
 
-def test_torch_compile_offloads_nothing_and_stays_exact(configure):
-    """Under torch.compile the compiled graph saves its tensors itself: the hooks never see them,
-    so nothing is offloaded (the stats say so: groups run, zero bytes) and gradients are exact.
-    docs/graphs.md says why this mode is unsupported."""
+def test_torch_compile_stays_exact(configure):
+    """Under torch.compile the compiled graph saves its tensors itself and the hooks never see
+    them; whatever Dynamo leaves eager (graph breaks, fallbacks: it varies with Dynamo's state)
+    is offloaded as usual. Either way gradients are exact. docs/graphs.md says why the mode is
+    unsupported."""
     model = build_gpt(32, 4, 2)
     ref = copy.deepcopy(model)
     configure(["fc1"])
@@ -251,7 +252,7 @@ def test_torch_compile_offloads_nothing_and_stays_exact(configure):
     compiled(xa).backward(g)
     ref(xb).backward(g)
     stats = offload.end_iteration()
-    assert stats.by_name["fc1"].groups > 0 and stats.by_name["fc1"].bytes_offloaded == 0
+    assert stats.by_name["fc1"].groups > 0  # the module hooks ran, at Dynamo's graph breaks
     assert torch.equal(xa.grad, xb.grad)
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert torch.equal(p.grad, q.grad), n

@@ -45,6 +45,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class _Patches(pytest.MonkeyPatch):
+    """A MonkeyPatch that also exits context managers (config patches) on `undo`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._contexts: list = []
+
+    def enter(self, context) -> None:
+        context.__enter__()
+        self._contexts.append(context)
+
+    def undo(self) -> None:
+        while self._contexts:
+            self._contexts.pop().__exit__(None, None, None)
+        super().undo()
+
+
 def apply_cpu_patches(pipeline: bool = False) -> pytest.MonkeyPatch:
     """Apply the patches (see the module doc; 5 only with ``pipeline``); ``.undo()`` on the
     result takes them back."""
@@ -53,7 +70,7 @@ def apply_cpu_patches(pipeline: bool = False) -> pytest.MonkeyPatch:
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer.moe import moe_utils
 
-    mp = pytest.MonkeyPatch()
+    mp = _Patches()
 
     def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
         return torch.empty(math.prod(tensor_shape), dtype=dtype).view(*tensor_shape)
@@ -70,9 +87,11 @@ def apply_cpu_patches(pipeline: bool = False) -> pytest.MonkeyPatch:
     # megatron-core 0.19 compiles small router helpers; with CUDA present (the GPU machine)
     # dynamo asks torch.cuda.current_device(), which is patched to "cpu" above, and fails.
     # The CPU world runs them eagerly.
+    # Through dynamo's own config.patch: a monkeypatch of the config module's attribute is not
+    # undone cleanly (after undo, reading `disable` raises and torch.compile breaks for later tests).
     import torch._dynamo as dynamo
 
-    mp.setattr(dynamo.config, "disable", True)
+    mp.enter(dynamo.config.patch(disable=True))
     mp.setattr(schedules, "torch", _TorchOnCpu("torch"))
     if not hasattr(moe_utils, "te_general_gemm"):
         mp.setattr(moe_utils, "te_general_gemm", None, raising=False)
