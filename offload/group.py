@@ -247,7 +247,7 @@ class OffloadGroup:
             if rec.discarded() or rec.held_elsewhere(self.handler.live_aliases(rec.ptr)):
                 shared += rec.nbytes
                 continue
-            rec.host = pool.acquire(rec.nbytes, streams.is_capturing())
+            rec.host = pool.acquire(rec.nbytes, self.capture is not None)
             if rec.host is not None:
                 todo.append(rec)
         self.state = GroupState.OFFLOADING

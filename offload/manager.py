@@ -303,6 +303,7 @@ class PipelineOffloadManager:
             and target.state is GroupState.OFFLOADED
             and target.needs_reload()
         ):
+            self._sync_capture()
             self._reload(target, prefetch=True)
         self._poll_inflight()
 
@@ -340,8 +341,8 @@ class PipelineOffloadManager:
             return h.unpack()
         rec = h.record
         group = h.group
-        self._sync_capture()
         if group.handler.phase is not HandlerPhase.BACKWARD:
+            self._sync_capture()
             self._begin_backward(group.handler)
         rec.check_version(group.label)
         src = rec.src
@@ -353,6 +354,7 @@ class PipelineOffloadManager:
                     f"offload: a saved tensor of group {group.label!r} is neither on the GPU nor on "
                     "the host; the manager was reset while the graph that saved it was alive"
                 )
+            self._sync_capture()
             self._reload(group, prefetch=False)
         loader = rec.reload_group
         sid = self.streams.current_id()
@@ -648,7 +650,7 @@ class PipelineOffloadManager:
         `join_capture`, or at the first call seen outside a capture. Consecutive backward
         captures without a region or join share a session; that is harmless, since backward
         only reloads, and reloads never cross a forward capture's edge (see `_reload`)."""
-        if self.streams.capture_token() is None:
+        if not self.streams.is_capturing():
             if self._capture is not None:
                 self._switch_capture(None)
             if self._graveyard:
@@ -740,7 +742,7 @@ class PipelineOffloadManager:
     def enter_region(self, key: Any) -> None:
         """A graphable region begins (`offload.graphs.region`): eagerly, record the groups it
         offloads as its plan; under capture, check them against that plan."""
-        capturing = self.streams.capture_token() is not None
+        capturing = self.streams.is_capturing()
         if capturing and key not in self._region_plans:
             raise OffloadError(
                 f"offload: graph region {key!r} is being captured but never ran eagerly: run it "
@@ -758,7 +760,7 @@ class PipelineOffloadManager:
         if not self._regions or self._regions[-1][0] != key:
             raise OffloadError(f"offload: graph region {key!r} closed out of order")
         _, steps = self._regions.pop()
-        if self.streams.capture_token() is not None:
+        if self.streams.is_capturing():
             self.join_capture()
             plan = self._region_plans[key]
             if len(steps) != len(plan):

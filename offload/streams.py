@@ -75,8 +75,6 @@ class HostStreams:
     def is_capturing(self) -> bool:
         return False
 
-    def capture_token(self) -> Any:
-        return None
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` lives on the device this engine offloads from."""
@@ -115,11 +113,6 @@ class CudaStreams:
 
     def is_capturing(self) -> bool:
         return torch.cuda.is_current_stream_capturing()
-
-    def capture_token(self) -> Any:
-        """``True`` while the current stream is being captured into a CUDA graph, else ``None``
-        (the engine keeps its own capture sessions: see `PipelineOffloadManager._sync_capture`)."""
-        return True if torch.cuda.is_current_stream_capturing() else None
 
     def owns(self, tensor: torch.Tensor) -> bool:
         return tensor.is_cuda and tensor.get_device() == self._index

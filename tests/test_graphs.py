@@ -1,7 +1,7 @@
 """Captured-mode logic on the CPU fallback, with a stand-in for "the stream is capturing".
 
 The real captures run in tests/test_cuda_graphs.py on the GPU; here the engine is told that a
-capture is in progress (``capture_token`` returns a token) so that the decisions it takes then
+capture is in progress (``is_capturing`` returns True) so that the decisions it takes then
 (offload at close, no prefetch across graphs, plans, joins, graph-owned buffers, errors) are
 checked on every machine.
 """
@@ -32,7 +32,6 @@ class Graph:
 
 
 def _capturing(manager, token):
-    manager.streams.capture_token = lambda: token
     manager.streams.is_capturing = lambda: token is not None
 
 
