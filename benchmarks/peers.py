@@ -1039,6 +1039,9 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "wall_s": round(time.perf_counter() - t0, 1),
     }
+    peers_report.stamp_baselines(records, meta["date"])
+    for r in records:  # this run's own provenance, kept through later merges
+        r.update(command=meta["command"], date=meta["date"])
     if args.merge:
         records, meta, sizes = merge_runs(json.loads(Path(args.merge).read_text()), records, meta, args)
     report = peers_report.finish(records, meta, sizes, Path(args.out))

@@ -48,6 +48,20 @@ def per_layer_bytes(record: dict, layers: int) -> float | None:
     return total
 
 
+BASELINE_FIELDS = ("step_ms", "peak_allocated", "peak_reserved", "host_ms", "layer_forward_ms")
+
+
+def stamp_baselines(records: list[dict], date: str | None = None) -> None:
+    """Give every row of one run a copy of that run's no-offloading figures (``baseline``), so
+    that it keeps its own reference when the report merges it with rows of other runs."""
+    base = {(r["kind"], r["size"]): r for r in records
+            if r.get("kind") in ("config", "sweep") and r["config"]["name"] == "none" and _ok(r)}
+    for r in records:
+        b = base.get((r.get("kind"), r.get("size")))
+        if b is not None and b is not r and _ok(r):
+            r["baseline"] = {**{k: b.get(k) for k in BASELINE_FIELDS}, "date": date}
+
+
 def evaluate(records: list[dict], link: float) -> None:
     """Add derived figures to every ``ok`` record of a configuration or sweep point, in place."""
     base = {(r["kind"], r["size"]): r for r in records
@@ -55,7 +69,9 @@ def evaluate(records: list[dict], link: float) -> None:
     for r in records:
         if r.get("kind") not in ("config", "sweep") or not _ok(r):
             continue
-        b = base.get((r["kind"], r["size"]))
+        # a row is compared with the no-offloading row of its own run (merged reports hold rows
+        # of several runs, and step times drift between runs more than the targets allow)
+        b = r.get("baseline") or base.get((r["kind"], r["size"]))
         if b is None:
             continue
         layers = r["spec"]["layers"]
@@ -265,6 +281,10 @@ def markdown(records: list[dict], meta: dict, sizes: list[Any], verdicts: dict, 
         f"and the sweep's prediction: {link[0]:.1f} GB/s device-to-host, {link[1]}. Columns and method: "
         "[benchmarks/README.md](../../benchmarks/README.md#peerspy-offload-against-its-peers).",
         "",
+        "Rows merged from several runs (`--merge`) are each compared with the `none` row of their own run "
+        "(`baseline` in the JSON, with its date): step times drift between runs on the same machine by more "
+        "than the 1% target. The `none` row shown is the latest run's.",
+        "",
     ]
     for spec in sizes:
         rows = [r for r in configs if r["size"] == spec.name]
@@ -433,9 +453,9 @@ def finish(records: list[dict], meta: dict, sizes: list[Any], out: Path) -> dict
     link = link_gbps(records)
     evaluate(records, link[0])
     verdicts = targets(records, [s.name for s in sizes])
-    for r in records:
-        r.update(device=meta["device"], torch=meta["torch"], python=meta["python"], command=meta["command"],
-                 date=meta["date"])
+    for r in records:  # a row merged from an earlier run keeps its own command and date
+        for key in ("device", "torch", "python", "command", "date"):
+            r.setdefault(key, meta[key])
     out.mkdir(parents=True, exist_ok=True)
     (out / "peers.json").write_text(json.dumps({"meta": {**meta, "link_gbps": link[0], "link_source": link[1]},
                                                 "targets": verdicts, "records": records}, indent=1) + "\n")

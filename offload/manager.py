@@ -14,6 +14,13 @@ the forwards: how many microbatches chunk 0 runs before chunk 1 starts). After a
 backward the engine prefetches the last groups of the chunk whose backward runs next, so a
 chunk's reloads overlap the next chunk's forward and its offloads.
 
+The forward's end. A chunk's group is offloaded when the next group of its name closes, so
+when the last one closes the one before it has only just been launched; left in flight, it
+would hold its memory through the forward's end and the start of backward, where the step's
+memory peaks. The engine learns from a chunk's previous forward which group is the last of
+each name; at its close, the compute stream waits for every copy in flight (each started on
+the GPU when its own group ended, a group of that name earlier) and their memory is freed.
+
 The four synchronization rules (all with events; the host never waits):
 
 1. a group's D2H copies start after the module's forward produced the tensors: the D2H
@@ -107,6 +114,7 @@ class PipelineOffloadManager:
         self._graveyard: list[OffloadGroup] = []  # retired during a capture: events die after it
         self._graph_handlers: list[ChunkOffloadHandler] = []  # captured: owned by their graphs
         self._region_plans: dict[Any, list[tuple[str, tuple[int, ...]]]] = {}
+        self._last_layers: dict[tuple[int, str], int] = {}  # (chunk, name) -> its last group's layer
         self._regions: list[tuple[Any, list[tuple[str, tuple[int, ...]]]]] = []
         self._new_iteration_state()
         self._new_iteration_stats()
@@ -202,6 +210,7 @@ class PipelineOffloadManager:
         self._open.clear()
         self._names_open.clear()
         self._suppress = 0
+        self._last_layers.clear()
         self._new_iteration_state()
         if release_pool:
             if self.streams.is_cuda:
@@ -284,6 +293,9 @@ class PipelineOffloadManager:
         previous = group.handler.close_group(group)
         if previous is not None:
             self._launch(previous)
+        if group.capture is None and self._last_layers.get((group.handler.chunk_id, name)) == group.layer:
+            while self._inflight:  # the chunk's last group of this name: see the module docstring
+                self._release(self._inflight.popleft(), wait=True)
         self._poll_inflight()
 
     def on_group_backward_done(self, group: OffloadGroup) -> None:
@@ -489,6 +501,7 @@ class PipelineOffloadManager:
         groups it kept pending. Their copies just started, so the compute stream does not wait
         for them here; the in-flight bound applies to them when the next group opens."""
         if handler.phase is HandlerPhase.FORWARD:
+            self._learn_last_layers(handler)
             handler.phase = HandlerPhase.FORWARD_DONE
             pending = list(handler.pending.values())
             handler.pending.clear()
@@ -508,6 +521,7 @@ class PipelineOffloadManager:
         if handler.phase is HandlerPhase.FORWARD and handler.graphable:
             self._finish_forward(handler)  # planned as it will be captured: nothing kept
         elif handler.phase is HandlerPhase.FORWARD:
+            self._learn_last_layers(handler)
             for group in handler.pending.values():
                 group.state = GroupState.KEPT
                 self._stats[group.name].groups_kept += 1
@@ -520,6 +534,12 @@ class PipelineOffloadManager:
         if handler.iteration == self.iteration:
             self._live -= 1
             self._backward_started = True
+
+    def _learn_last_layers(self, handler: ChunkOffloadHandler) -> None:
+        """Remember which group was the last of each name in this chunk's forward; the next
+        forward of the chunk releases the copies in flight when that group closes."""
+        for name, group in handler.last_of_name.items():
+            self._last_layers[handler.chunk_id, name] = group.layer
 
     def _launch(self, group: OffloadGroup, bound: bool = True) -> None:
         timing = self._timing and group.capture is None  # a captured event cannot be timed

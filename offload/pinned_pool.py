@@ -40,7 +40,7 @@ def size_class(nbytes: int) -> int:
 class HostBuffer:
     """One pinned buffer: a flat ``uint8`` tensor plus the event of its last reader."""
 
-    __slots__ = ("tensor", "nbytes", "last_read", "_mapping", "_registered")
+    __slots__ = ("tensor", "nbytes", "last_read", "_mapping", "_registered", "_view", "_view_key")
 
     def __init__(self, tensor: torch.Tensor, mapping: Any, registered: bool) -> None:
         self.tensor = tensor
@@ -48,10 +48,17 @@ class HostBuffer:
         self.last_read = None
         self._mapping = mapping
         self._registered = registered
+        self._view: torch.Tensor | None = None
+        self._view_key: tuple[torch.dtype, int] | None = None
 
     def view(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """The first ``numel`` elements of the buffer, as ``dtype``."""
-        return self.tensor[: numel * dtype.itemsize].view(dtype)
+        """The first ``numel`` elements of the buffer, as ``dtype`` (the last view is kept: a
+        buffer is reused by tensors of the same shape step after step)."""
+        key = (dtype, numel)
+        if self._view_key != key:
+            self._view = self.tensor[: numel * dtype.itemsize].view(dtype)
+            self._view_key = key
+        return self._view
 
 
 class PinnedHostPool:

@@ -96,9 +96,23 @@ class CudaStreams:
         self._raw_current = (lambda: raw(self._index)) if raw is not None else (
             lambda: torch.cuda.current_stream(self._index).cuda_stream
         )
+        # torch.cuda.current_stream() and torch.cuda.stream() cost tens of microseconds each
+        # (device lookups through os.environ); the hooks call them for every group, so the hot
+        # path uses the C calls behind them when this torch has them.
+        self._get_stream = getattr(torch._C, "_cuda_getCurrentStream", None)
+        self._set_stream = getattr(torch._C, "_cuda_setStream", None)
+        self._streams: dict[int, torch.cuda.Stream] = {}  # stream id -> its Stream object
+        self._switch = {}  # stream id -> its reusable _StreamSwitch
 
     def current(self) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(self._index)
+        """The current stream of this device, read now (a cached object per stream id)."""
+        if self._get_stream is None:
+            return torch.cuda.current_stream(self._index)
+        sid, index, dtype = self._get_stream(self._index)
+        stream = self._streams.get(sid)
+        if stream is None:
+            stream = self._streams[sid] = torch.cuda.Stream(stream_id=sid, device_index=index, device_type=dtype)
+        return stream
 
     def current_id(self) -> int:
         """A cheap identity of the current stream (its raw handle), for the hot path."""
@@ -109,13 +123,47 @@ class CudaStreams:
         return torch.cuda.Event(enable_timing=timing)
 
     def use(self, stream: torch.cuda.Stream) -> contextlib.AbstractContextManager:
-        return torch.cuda.stream(stream)
+        """Make ``stream`` (of this device) current inside a ``with`` block; not reentrant for
+        the same stream, which the engine never needs."""
+        if self._set_stream is None:
+            return torch.cuda.stream(stream)
+        switch = self._switch.get(stream.stream_id)
+        if switch is None:
+            switch = self._switch[stream.stream_id] = _StreamSwitch(stream, self._index, self._get_stream, self._set_stream)
+        return switch
 
     def is_capturing(self) -> bool:
         return torch.cuda.is_current_stream_capturing()
 
     def owns(self, tensor: torch.Tensor) -> bool:
         return tensor.is_cuda and tensor.get_device() == self._index
+
+
+class _StreamSwitch:
+    """``torch.cuda.stream(stream)`` for one stream of one device, without its per-call device
+    lookups: saves the device's current stream and the current device, restores both."""
+
+    __slots__ = ("_ids", "_index", "_get", "_set", "_saved", "_device")
+
+    def __init__(self, stream: torch.cuda.Stream, index: int, get: Any, set_: Any) -> None:
+        self._ids = (stream.stream_id, stream.device_index, stream.device_type)
+        self._index = index
+        self._get = get
+        self._set = set_
+        self._saved: tuple[int, int, int] | None = None
+        self._device = index
+
+    def __enter__(self) -> None:
+        self._device = torch._C._cuda_getDevice()
+        self._saved = self._get(self._index)
+        sid, index, dtype = self._ids
+        self._set(stream_id=sid, device_index=index, device_type=dtype)
+
+    def __exit__(self, *exc: Any) -> None:
+        sid, index, dtype = self._saved
+        self._set(stream_id=sid, device_index=index, device_type=dtype)
+        if self._device != self._index:  # setting a stream makes its device current
+            torch._C._cuda_setDevice(self._device)
 
 
 def make_streams(device: torch.device | str | None = None) -> CudaStreams | HostStreams:

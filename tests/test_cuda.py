@@ -91,10 +91,22 @@ def test_pipeline_order_with_slow_copies(configure, monkeypatch):
         assert stats.total().groups_kept == 0 and stats.handlers == 3
 
 
-def test_peak_memory_falls_by_the_offloaded_bytes(configure):
-    """The issue's criterion on an 8-layer stack. A step's fixed costs (the kept last layer,
-    one group in flight, one prefetched group) do not shrink with depth: on a 6-layer stack
-    at seq 2048 they left 86-90% (see docs/results/README.md)."""
+@pytest.mark.parametrize(
+    "modules, share", [(list(GPT_MAPPING), 0.90), (["core_attn"], 0.95)], ids=["all", "core_attn"]
+)
+def test_peak_memory_falls_by_the_offloaded_bytes(configure, modules, share):
+    """The peak falls by at least ``share`` of the bytes offloaded, on an 8-layer stack whose
+    backward follows its forward (the last layer is kept, so it is not counted as offloaded).
+
+    One name (``core_attn``): 95%. The group before the last one used to be in flight at the
+    forward's end, the peak: 86% removed. The engine now frees it when the last group of the
+    name closes (learned from the previous step); 100% on the H100.
+    Every name: 90%. With all eight names offloaded the peak moves into backward, where each
+    name's next group is already reloaded (prefetched) while the current layer's backward runs
+    with its own transients: `python tools/memory_timeline.py --hidden 1024 --layers 8 --seq 4096
+    --modules all` on the H100 showed
+    the peak 176 MiB above the forward's end against 112 MiB without offloading, and 90.1%
+    (801 of 889 MiB) removed. That prefetch window is the price of hiding the reloads."""
     hidden, heads, layers, seq, batch = 1024, 8, 8, 4096, 1
     model = build_gpt(hidden, heads, layers, dtype=torch.bfloat16, device="cuda")
     x, g = _inputs(0, seq, batch, hidden, torch.bfloat16)
@@ -114,7 +126,7 @@ def test_peak_memory_falls_by_the_offloaded_bytes(configure):
     train_step(model, x, g)  # gradients exist from here on, in both measurements
     configure([], device="cuda")
     peak_none, _ = peak_of_steps(2)
-    configure(list(GPT_MAPPING), device="cuda")
+    configure(modules, device="cuda")
     handle = offload.attach(model, GPT_MAPPING)
     peak_off, stats = peak_of_steps(2)
     handle.remove()
@@ -124,7 +136,7 @@ def test_peak_memory_falls_by_the_offloaded_bytes(configure):
           f"removed {removed / 2**20:.1f} MiB of {offloaded / 2**20:.1f} MiB offloaded "
           f"({100 * removed / offloaded:.1f}%)")
     assert offloaded > 0
-    assert removed >= 0.9 * offloaded
+    assert removed >= share * offloaded
 
 
 def test_no_growth_over_200_iterations(configure):
@@ -164,3 +176,30 @@ def test_timing_statistics_are_plausible(configure):
     h2d = total.bytes_reloaded / total.h2d_ms / 1e6
     print(f"achieved D2H {d2h:.1f} GB/s, H2D {h2d:.1f} GB/s")
     assert 1 < d2h < 1000 and 1 < h2d < 1000
+
+
+def test_stream_helpers_match_torch():
+    """`CudaStreams.current` and `use` bypass torch.cuda.current_stream/stream (slow on the
+    hot path): they must give the same stream, restore the one before, and leave the device."""
+    from offload.streams import CudaStreams
+
+    streams = CudaStreams(torch.device("cuda", 0))
+    assert streams.current() == torch.cuda.current_stream(0)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert streams.current() == side
+        with streams.use(streams.d2h):
+            assert torch.cuda.current_stream() == streams.d2h
+            assert streams.current() == streams.d2h
+        assert torch.cuda.current_stream() == side
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    with pytest.raises(RuntimeError, match="boom"):
+        with streams.use(streams.h2d):
+            raise RuntimeError("boom")
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    if torch.cuda.device_count() > 1:
+        with torch.cuda.device(1):
+            with streams.use(streams.d2h):
+                assert torch.cuda.current_stream(0) == streams.d2h
+            assert torch.cuda.current_device() == 1
+            assert torch.cuda.current_stream(0) == torch.cuda.default_stream(0)

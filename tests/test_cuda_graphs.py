@@ -24,7 +24,7 @@ from torch import nn
 
 import offload
 from offload import OffloadError
-from offload.testing import GPT_MAPPING, build_gpt, first_difference, slow_copy_streams
+from offload.testing import GPT_MAPPING, build_gpt, first_difference, graph_pool_bytes, slow_copy_streams
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -376,24 +376,18 @@ def test_partial_and_breakable_capture(configure, pattern):
 POOL_SEQ = 2048
 
 
-def _graph_pool_bytes():
-    """Bytes of the segments that belong to private (CUDA graph) memory pools."""
-    segments = torch.cuda.memory._snapshot()["segments"]
-    return sum(seg["total_size"] for seg in segments if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0))
-
-
 def _pool_size(layers, offloading):
     """The graph pool of ``layers`` per-layer graphs (one microbatch), captured after warm-up."""
     gc.collect()  # graphs of earlier measurements die here (their callables hold cycles)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    base = _graph_pool_bytes()  # graphs of earlier tests may still be alive
+    base = graph_pool_bytes()  # graphs of earlier tests may still be alive
     model = _model(layers)
     offload.configure(NAMES if offloading else [], device="cuda", min_tensor_bytes=1 << 16)
     offload.attach(model, GPT_MAPPING)
     graphed = Graphed(model, 1, seq=POOL_SEQ)
     torch.cuda.synchronize()
-    size = _graph_pool_bytes() - base
+    size = graph_pool_bytes() - base
     del graphed, model
     offload.reset(release_pool=True)
     return size

@@ -404,3 +404,43 @@ def test_copies_in_pieces_keep_gradients_bitwise(configure, chunk_bytes):
         assert torch.equal(out, ref_out)
         assert first_difference(ref, got) is None
         assert offload.end_iteration().total().bytes_offloaded > 0
+
+
+class _LateEvent:
+    """A CPU-fallback event whose copy never reports done to a host query, as on a GPU the
+    host has run ahead of: only a GPU-side wait (a no-op here) can release its group."""
+
+    def record(self, stream=None):
+        pass
+
+    def query(self):
+        return False
+
+
+@pytest.mark.parametrize("modules", [["core_attn"], list(GPT_MAPPING)])
+def test_last_group_of_a_name_frees_the_copies_in_flight(configure, monkeypatch, modules):
+    """When a chunk's last group of a name closes (learned from the chunk's previous forward),
+    nothing offloaded is still in flight: the forward ends, and backward starts, with the
+    memory of every offloaded group freed. The first forward cannot know which is last."""
+    model = build_gpt(32, 4, 4)
+    ref_model = copy.deepcopy(model)
+    manager = configure(modules)
+    monkeypatch.setattr(manager.streams, "event", lambda timing=False: _LateEvent())
+    offload.attach(model, GPT_MAPPING)
+    in_flight_at_forward_end = []
+    for it in range(3):
+        x, g = _data(it, 8, 2, 32)
+        model.zero_grad(set_to_none=False)
+        xx = x.detach().requires_grad_(True)
+        out = model(xx)
+        in_flight_at_forward_end.append([group.label for group in manager._inflight])
+        out.backward(g)
+        _, ref = train_step(ref_model, x, g)
+        got = {n: p.grad for n, p in model.named_parameters()}
+        got["<input>"] = xx.grad
+        assert first_difference(ref, got) is None
+        stats = offload.end_iteration()
+        assert stats.total().groups_kept == len(modules)
+    assert in_flight_at_forward_end[0]  # the first forward: the group before the last one
+    assert in_flight_at_forward_end[1:] == [[], []]
+    assert manager.live_handlers == []

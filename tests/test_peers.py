@@ -174,6 +174,31 @@ def test_targets_on_known_figures():
     assert lines[0].startswith("* **NOT MET** (1 of 2 rows") and lines[3].startswith("* **NOT MET**")
 
 
+def test_merged_rows_keep_their_own_runs_baseline():
+    """A row merged from an earlier run is compared with that run's `none`, not the latest one."""
+    import argparse
+
+    first = [_rec("x", "none", "none", 100.0, 10.0, layer_forward_ms=5.0, bytes_offloaded=0),
+             _rec("x", "offload:a", "offload", 101.0, 9.0, offload=("a",), engine=_engine(a=(4, 3, 1.0)),
+                  bytes_offloaded=1.0 * GIB, pinned_bytes=1.0 * GIB)]
+    for r in first:
+        r["id"] = peers.job_id("x", r["config"]["name"])
+    peers_report.stamp_baselines(first, "run 1")
+    assert first[1]["baseline"]["step_ms"] == 100.0 and first[1]["baseline"]["date"] == "run 1"
+    assert "baseline" not in first[0]
+    second = [_rec("x", "none", "none", 90.0, 10.0, layer_forward_ms=5.0, bytes_offloaded=0)]
+    second[0]["id"] = first[0]["id"]
+    peers_report.stamp_baselines(second, "run 2")
+    meta = {"device": "d", "command": "c2", "wall_s": 1.0}
+    earlier = {"meta": {"device": "d", "command": "c1", "wall_s": 1.0}, "records": first}
+    merged, meta, _ = peers.merge_runs(earlier, second, meta, argparse.Namespace(merge="m", smoke=False))
+    peers_report.evaluate(merged, 50.0)
+    by = {r["config"]["name"]: r for r in merged}
+    assert by["none"]["step_ms"] == 90.0  # the latest run's none is shown
+    assert by["offload:a"]["throughput_rel"] == pytest.approx(100.0 / 101.0)  # against its own run's
+    assert by["offload:a"]["memory_removed"] == pytest.approx(1.0 * GIB)
+
+
 def test_trace_summary_counts_copies_under_kernels():
     tl = Timeline(ops=[
         GpuOp(0.0, 10.0, 7, "kernel"), GpuOp(20.0, 30.0, 7, "kernel"),

@@ -739,9 +739,11 @@ def wrap_model_provider(
             check_compatible(getattr(_unwrap(chunk), "config", ns), opts.modules)
             handle = MegatronOffload(opts.modules)
             if opts.modules:
+                param = next(_unwrap(chunk).parameters(), None)  # offload from where the model lives
                 offload.configure(opts.modules, min_tensor_bytes=opts.min_tensor_bytes,
                                   max_inflight_groups=opts.max_inflight_groups,
-                                  policy=parse_policy(opts.policy))
+                                  policy=parse_policy(opts.policy),
+                                  device=None if param is None else param.device)
                 _install_schedule_hook()
             state["handle"] = handle
         handle = state["handle"]

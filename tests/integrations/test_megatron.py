@@ -402,6 +402,8 @@ def test_model_provider_wrapper_attaches_and_hooks_the_schedule(mg):
     got = train(model, fb)
     assert_bitwise(ref, got)
     assert offload.get_manager().config.min_tensor_bytes == 0
+    # the engine offloads from where the model lives (here the CPU, also on a GPU machine)
+    assert offload.get_manager().streams.device == next(model.parameters()).device
     assert mg.MegatronOffload(()).last_stats.by_name["core_attn"].bytes_offloaded > 0
     mg._remove_schedule_hook()
     assert not getattr(pp_pkg.get_forward_backward_func(), "__offload_wrapped__", False)
