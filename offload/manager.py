@@ -294,8 +294,7 @@ class PipelineOffloadManager:
         if previous is not None:
             self._launch(previous)
         if group.capture is None and self._last_layers.get((group.handler.chunk_id, name)) == group.layer:
-            while self._inflight:  # the chunk's last group of this name: see the module docstring
-                self._release(self._inflight.popleft(), wait=True)
+            self._release_inflight()  # the chunk's last group of this name: see the module docstring
         self._poll_inflight()
 
     def on_group_backward_done(self, group: OffloadGroup) -> None:
@@ -516,8 +515,7 @@ class PipelineOffloadManager:
         flight, started during the last forward, are waited for (on the GPU) so the backward
         starts with that memory freed; then any other handler still in forward is finished,
         and its last groups copy out while this backward runs."""
-        while self._inflight:
-            self._release(self._inflight.popleft(), wait=True)
+        self._release_inflight()
         if handler.phase is HandlerPhase.FORWARD and handler.graphable:
             self._finish_forward(handler)  # planned as it will be captured: nothing kept
         elif handler.phase is HandlerPhase.FORWARD:
@@ -569,6 +567,11 @@ class PipelineOffloadManager:
         inflight = self._inflight
         while inflight and inflight[0].d2h_done.query():
             self._release(inflight.popleft(), wait=False)
+
+    def _release_inflight(self) -> None:
+        """Free every group in flight; the compute stream waits for their copies on the GPU."""
+        while self._inflight:
+            self._release(self._inflight.popleft(), wait=True)
 
     def _release(self, group: OffloadGroup, wait: bool) -> None:
         if wait:
@@ -752,8 +755,7 @@ class PipelineOffloadManager:
             # Its last groups too: nothing may wait for a decision past the graph's end.
             self._finish_forward(forward)
         current = self.streams.current()
-        while self._inflight:
-            self._release(self._inflight.popleft(), wait=True)
+        self._release_inflight()
         for event in self._capture_reloads:
             current.wait_event(event)
         self._capture_reloads.clear()

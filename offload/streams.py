@@ -98,17 +98,13 @@ class CudaStreams:
         )
         # torch.cuda.current_stream() and torch.cuda.stream() cost tens of microseconds each
         # (device lookups through os.environ); the hooks call them for every group, so the hot
-        # path uses the C calls behind them when this torch has them.
-        self._get_stream = getattr(torch._C, "_cuda_getCurrentStream", None)
-        self._set_stream = getattr(torch._C, "_cuda_setStream", None)
+        # path calls the C functions behind them.
         self._streams: dict[int, torch.cuda.Stream] = {}  # stream id -> its Stream object
-        self._switch = {}  # stream id -> its reusable _StreamSwitch
+        self._switches: dict[int, _StreamSwitch] = {}  # stream id -> its reusable switch
 
     def current(self) -> torch.cuda.Stream:
         """The current stream of this device, read now (a cached object per stream id)."""
-        if self._get_stream is None:
-            return torch.cuda.current_stream(self._index)
-        sid, index, dtype = self._get_stream(self._index)
+        sid, index, dtype = torch._C._cuda_getCurrentStream(self._index)
         stream = self._streams.get(sid)
         if stream is None:
             stream = self._streams[sid] = torch.cuda.Stream(stream_id=sid, device_index=index, device_type=dtype)
@@ -125,11 +121,9 @@ class CudaStreams:
     def use(self, stream: torch.cuda.Stream) -> contextlib.AbstractContextManager:
         """Make ``stream`` (of this device) current inside a ``with`` block; not reentrant for
         the same stream, which the engine never needs."""
-        if self._set_stream is None:
-            return torch.cuda.stream(stream)
-        switch = self._switch.get(stream.stream_id)
+        switch = self._switches.get(stream.stream_id)
         if switch is None:
-            switch = self._switch[stream.stream_id] = _StreamSwitch(stream, self._index, self._get_stream, self._set_stream)
+            switch = self._switches[stream.stream_id] = _StreamSwitch(stream, self._index)
         return switch
 
     def is_capturing(self) -> bool:
@@ -143,25 +137,21 @@ class _StreamSwitch:
     """``torch.cuda.stream(stream)`` for one stream of one device, without its per-call device
     lookups: saves the device's current stream and the current device, restores both."""
 
-    __slots__ = ("_ids", "_index", "_get", "_set", "_saved", "_device")
+    __slots__ = ("_ids", "_index", "_saved", "_device")
 
-    def __init__(self, stream: torch.cuda.Stream, index: int, get: Any, set_: Any) -> None:
+    def __init__(self, stream: torch.cuda.Stream, index: int) -> None:
         self._ids = (stream.stream_id, stream.device_index, stream.device_type)
         self._index = index
-        self._get = get
-        self._set = set_
-        self._saved: tuple[int, int, int] | None = None
-        self._device = index
 
     def __enter__(self) -> None:
         self._device = torch._C._cuda_getDevice()
-        self._saved = self._get(self._index)
+        self._saved = torch._C._cuda_getCurrentStream(self._index)
         sid, index, dtype = self._ids
-        self._set(stream_id=sid, device_index=index, device_type=dtype)
+        torch._C._cuda_setStream(stream_id=sid, device_index=index, device_type=dtype)
 
     def __exit__(self, *exc: Any) -> None:
         sid, index, dtype = self._saved
-        self._set(stream_id=sid, device_index=index, device_type=dtype)
+        torch._C._cuda_setStream(stream_id=sid, device_index=index, device_type=dtype)
         if self._device != self._index:  # setting a stream makes its device current
             torch._C._cuda_setDevice(self._device)
 
