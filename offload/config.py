@@ -44,6 +44,14 @@ def parse_module_list(spec: str | Iterable[str] | None) -> tuple[str, ...]:
     return tuple(names)
 
 
+def check_str(value: object, what: str) -> str:
+    """``value`` if it is a string, else a `TypeError` that names it and says what ``what``
+    (a group name, a pattern, ...) has to be."""
+    if not isinstance(value, str):
+        raise TypeError(f"offload: {what} must be a string, got {value!r} ({type(value).__name__})")
+    return value
+
+
 def check_known(names: Iterable[str], known: Iterable[str], where: str) -> None:
     """Raise `UnknownModuleError` for each name in ``names`` not in ``known``, with suggestions."""
     known = sorted(set(known))

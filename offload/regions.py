@@ -23,6 +23,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
+from .config import check_str
 from .errors import OffloadError, UnknownModuleError
 from .manager import PipelineOffloadManager
 
@@ -71,7 +72,7 @@ class group:
     __slots__ = ("name", "tensors", "_group", "_manager")
 
     def __init__(self, name: str, *tensors: torch.Tensor) -> None:
-        self.name = name
+        self.name = check_str(name, "a group name")
         self.tensors = tensors
         self._group = None
         self._manager = None
@@ -125,11 +126,29 @@ class AttachHandle:
 
 
 def _module_hooks(module: nn.Module, name: str) -> list[Any]:
-    stack: list[group] = []
+    # One entry per invocation whose pre-hook ran: its region, or None where opening the
+    # group raised. Torch calls the forward hook (always_call) after such an error too; it
+    # must then close nothing, so that the error that stopped the forward surfaces alone.
+    stack: list[group | None] = []
 
     def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        manager = PipelineOffloadManager.get()
+        nested = manager.in_group
         region = group(name)
-        region.__enter__()
+        try:
+            region.__enter__()
+        except BaseException as exc:
+            stack.append(None)
+            # `open_group` counts the name as open before the checks that can raise after it
+            # (the group policy, torch.compile, the capture state); only the check for a group
+            # of the same name already open raises before, always as OffloadError. A name
+            # counted here must not stay open, or the manager would stay "in a group".
+            if manager.in_group and (not nested or not isinstance(exc, OffloadError)):
+                try:
+                    manager.close_group(None, name)
+                except OffloadError:
+                    pass
+            raise
         stack.append(region)
         g = region._group
         if g is None:
@@ -143,7 +162,11 @@ def _module_hooks(module: nn.Module, name: str) -> list[Any]:
         return marked[: len(args)], new_kwargs
 
     def post(mod: nn.Module, args: tuple, output: Any) -> None:
-        stack.pop().__exit__(None, None, None)
+        if not stack:
+            return  # an earlier pre-hook raised before ours ran: nothing was opened
+        region = stack.pop()
+        if region is not None:
+            region.__exit__(None, None, None)
 
     return [
         module.register_forward_pre_hook(pre, with_kwargs=True),
@@ -174,9 +197,14 @@ def attach(
     owner: dict[str, str] = {}
     matched: dict[str, list[str]] = {}
     for name, patterns in mapping.items():
-        patterns = [patterns] if isinstance(patterns, str) else list(patterns)
+        check_str(name, "a group name (a key of the mapping given to attach())")
+        if isinstance(patterns, (str, bytes)) or not isinstance(patterns, Iterable):
+            patterns = [patterns]  # one pattern (anything but a string is refused below)
+        else:
+            patterns = list(patterns)
         hits: list[str] = []
         for pattern in patterns:
+            check_str(pattern, f"a module pattern of group {name!r} in attach() (fnmatch over module names)")
             found = [qn for qn in qualnames if fnmatch.fnmatchcase(qn, pattern)]
             if not found:
                 close = difflib.get_close_matches(pattern, list(qualnames), n=3)

@@ -1,9 +1,25 @@
-"""Shared fixtures: every test gets a fresh engine, and leaves none behind."""
+"""Shared fixtures and helpers: every test gets a fresh engine, and leaves none behind.
+
+Fixtures: ``configure`` (a fresh engine, CPU fallback by default), ``deterministic``
+(deterministic algorithms for the test's duration; the GPU files use it), ``megatron_cpu``
+(megatron-core patched for the CPU, gloo with world size 1; tests/integrations).
+
+Helpers, imported by the test modules with ``from conftest import ...``: `CUDA_ONLY` and
+`requires_cuda` (skip without CUDA), `seeded_pair` (an input and an output gradient drawn from a
+seed), `PIPELINE_GRID` and `pipeline_ranks` (the (PP, VPP, M, rank) replays), `gpt_chunks`
+(one model per pipeline chunk), `slow_side_streams` (copies run late), `reproducible`
+(a reference run, checked against a second run), `attention_output_stays` (which names of a
+`GPTLayerStack` keep core_attn's output on the device). That import works because this is the
+suite's only conftest.py: pytest imports every conftest.py outside a package as the module
+``conftest``, so a second one (say in tests/integrations/) would take its place in
+``sys.modules`` partway through a whole-suite run. Put fixtures for a subfolder here too.
+"""
 
 from __future__ import annotations
 
 import os
 import warnings
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -13,8 +29,15 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import offload  # noqa: E402
 from offload.manager import PipelineOffloadManager  # noqa: E402
+from offload.testing import build_gpt, first_difference, slow_copy_streams  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+CUDA_ONLY = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+"""``pytestmark = CUDA_ONLY`` for a module of GPU tests (``-m cuda`` selects them)."""
+
+SPIN_CYCLES = 2_000_000
+"""A spinning kernel of about a millisecond (`slow_side_streams`)."""
 
 
 @pytest.fixture(autouse=True)
@@ -41,5 +64,93 @@ def configure():
     return make
 
 
+@pytest.fixture
+def deterministic():
+    """Deterministic algorithms during the test (bitwise comparisons on the GPU)."""
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+@pytest.fixture(scope="module")
+def megatron_cpu():
+    """Patch megatron-core for the CPU and start gloo with world size 1 (for a test module;
+    the patches are in tests/integrations/megatron_cpu.py, shared with spawned workers)."""
+    from megatron.core import parallel_state
+    from megatron_cpu import apply_cpu_patches, free_port  # tests/integrations, on sys.path there
+
+    mp = apply_cpu_patches()
+    started = not torch.distributed.is_initialized()
+    if started:
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+        )
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+    if started:
+        torch.distributed.destroy_process_group()
+    mp.undo()
+
+
 def requires_cuda(fn):
-    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(fn))
+    """`CUDA_ONLY` for one test."""
+    for mark in reversed(CUDA_ONLY):
+        fn = mark(fn)
+    return fn
+
+
+def seeded_pair(seed: int, *shape: int, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """An input and an output gradient of ``shape``, drawn in that order from ``seed``."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(*shape, device=device, dtype=dtype, generator=g)
+    return x, torch.randn(*shape, device=device, dtype=dtype, generator=g)
+
+
+def pipeline_ranks(pp: int) -> list[int]:
+    """The ranks replayed for a pipeline of ``pp``: the first, a middle and the last."""
+    return sorted({0, pp // 2, pp - 1})
+
+
+PIPELINE_GRID = [
+    (pp, vpp, m, rank)
+    for pp in (1, 2, 4, 8)
+    for vpp in ((1,) if pp == 1 else (1, 2, 4))
+    for m in (pp, 2 * pp, 4 * pp)
+    for rank in pipeline_ranks(pp)
+]
+"""(PP, VPP, microbatches, rank) of the one-rank pipeline replays (CPU and GPU)."""
+
+
+def gpt_chunks(vpp: int, hidden: int, heads: int, layers: int, **kw: Any) -> list[torch.nn.Module]:
+    """One `GPTLayerStack` per model chunk of a pipeline rank, chunk ``c`` from seed ``c``."""
+    return [build_gpt(hidden, heads, layers, seed=c, **kw) for c in range(vpp)]
+
+
+def slow_side_streams(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every offload and reload starts after a spinning kernel of `SPIN_CYCLES` on its side
+    stream (`offload.testing.slow_copy_streams`): a missing event edge then shows."""
+    slow_copy_streams(monkeypatch, SPIN_CYCLES)
+
+
+def attention_output_stays(name: str, names: list[str]) -> bool:
+    """Whether group ``name`` of a `GPTLayerStack` leaves core_attn's output on the device when
+    the groups ``names`` are offloaded. That output is one storage saved twice: by core_attn's
+    attention (SDPA saves its output; on the CPU the projection's input is a view of it) and by
+    attn_proj (a linear saves its input). With both offloaded, attn_proj, whose backward needs it
+    first, owns it and copies it; with only one, the other module's autograd still holds it, so
+    copying it would free nothing: it stays, as ``bytes_held_elsewhere`` of that one (and
+    attn_proj saves nothing else, so it offloads nothing)."""
+    pair = {"core_attn", "attn_proj"}
+    return name in pair and not pair <= set(names)
+
+
+def reproducible(run: Callable[[], Any], grads: Callable[[Any], dict] = lambda result: result[1]) -> Any:
+    """``run()`` twice: the gradients of both (``grads(result)``; by default the second item,
+    as `train_step` returns them) must be bitwise equal, or the reference cannot judge
+    offloading. Returns the first run's result."""
+    first = run()
+    diff = first_difference(grads(first), grads(run()))
+    assert diff is None, f"the reference itself is not reproducible: {diff}"
+    return first

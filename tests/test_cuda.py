@@ -15,28 +15,10 @@ import pytest
 import torch
 
 import offload
-from offload.testing import GPT_MAPPING, build_gpt, first_difference, slow_copy_streams, train_step
+from conftest import CUDA_ONLY, SPIN_CYCLES, reproducible, seeded_pair, slow_side_streams
+from offload.testing import GPT_MAPPING, build_gpt, first_difference, train_step
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-SPIN_CYCLES = 2_000_000  # about a millisecond of a spinning kernel
-
-
-@pytest.fixture(autouse=True)
-def _deterministic():
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(False)
-
-
-def _inputs(seed, seq, batch, hidden, dtype):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(seq, batch, hidden, device="cuda", dtype=dtype, generator=g)
-    return x, torch.randn(seq, batch, hidden, device="cuda", dtype=dtype, generator=g)
-
-
-def _slow_side_streams(monkeypatch):
-    slow_copy_streams(monkeypatch, SPIN_CYCLES)
+pytestmark = [*CUDA_ONLY, pytest.mark.usefixtures("deterministic")]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -45,18 +27,16 @@ def test_stack_gradients_bitwise_equal(configure, monkeypatch, dtype, variant):
     hidden, heads, layers, seq, batch = 256, 4, 4, 256, 2
     model = build_gpt(hidden, heads, layers, dtype=dtype, device="cuda")
     ref_model = copy.deepcopy(model)
-    x, g = _inputs(0, seq, batch, hidden, dtype)
-    _, ref_a = train_step(ref_model, x, g)
-    _, ref_b = train_step(ref_model, x, g)
-    assert first_difference(ref_a, ref_b) is None, "the reference itself is not reproducible"
+    x, g = seeded_pair(0, seq, batch, hidden, dtype=dtype, device="cuda")
+    reproducible(lambda: train_step(ref_model, x, g))
 
     inflight = 2 if variant == "plain" else 1  # the default, 1, forces the most waits
     configure(list(GPT_MAPPING), min_tensor_bytes=1024, max_inflight_groups=inflight, device="cuda")
     offload.attach(model, GPT_MAPPING)
     if variant == "slow_copies":
-        _slow_side_streams(monkeypatch)
+        slow_side_streams(monkeypatch)
     for it in range(20):
-        x, g = _inputs(it + 1, seq, batch, hidden, dtype)
+        x, g = seeded_pair(it + 1, seq, batch, hidden, dtype=dtype, device="cuda")
         ref_out, ref = train_step(ref_model, x, g)
         if variant == "host_ahead":
             torch.cuda._sleep(50 * SPIN_CYCLES)  # the GPU lags: every decision is made ahead of it
@@ -76,9 +56,9 @@ def test_pipeline_order_with_slow_copies(configure, monkeypatch):
     ref_model = copy.deepcopy(model)
     configure(list(GPT_MAPPING), min_tensor_bytes=1024, device="cuda")
     offload.attach(model, GPT_MAPPING)
-    _slow_side_streams(monkeypatch)
+    slow_side_streams(monkeypatch)
     for it in range(5):
-        data = [_inputs(10 * it + mb, seq, batch, hidden, torch.float32) for mb in range(3)]
+        data = [seeded_pair(10 * it + mb, seq, batch, hidden, dtype=torch.float32, device="cuda") for mb in range(3)]
         for m in (ref_model, model):
             m.zero_grad(set_to_none=True)
             outs = [m(x) for x, _ in data]
@@ -109,7 +89,7 @@ def test_peak_memory_falls_by_the_offloaded_bytes(configure, modules, share):
     (801 of 889 MiB) removed. That prefetch window is the price of hiding the reloads."""
     hidden, heads, layers, seq, batch = 1024, 8, 8, 4096, 1
     model = build_gpt(hidden, heads, layers, dtype=torch.bfloat16, device="cuda")
-    x, g = _inputs(0, seq, batch, hidden, torch.bfloat16)
+    x, g = seeded_pair(0, seq, batch, hidden, dtype=torch.bfloat16, device="cuda")
 
     def peak_of_steps(n):
         for _ in range(2):
@@ -147,7 +127,7 @@ def test_no_growth_over_200_iterations(configure):
     manager = offload.get_manager()
     allocated, pinned, allocations = [], [], []
     for it in range(200):
-        x, g = _inputs(it, seq, batch, hidden, torch.float32)
+        x, g = seeded_pair(it, seq, batch, hidden, dtype=torch.float32, device="cuda")
         train_step(model, x, g)
         stats = offload.end_iteration()
         gc.collect()
@@ -166,7 +146,7 @@ def test_timing_statistics_are_plausible(configure):
     model = build_gpt(hidden, heads, layers, dtype=torch.bfloat16, device="cuda")
     configure(["fc1", "mlp_act", "fc2"], timing=True, device="cuda")
     offload.attach(model, GPT_MAPPING)
-    x, g = _inputs(0, seq, batch, hidden, torch.bfloat16)
+    x, g = seeded_pair(0, seq, batch, hidden, dtype=torch.bfloat16, device="cuda")
     for _ in range(3):
         train_step(model, x, g)
         stats = offload.end_iteration()

@@ -17,27 +17,27 @@ import copy
 import gc
 import json
 import os
+from collections import Counter
 
 import pytest
 import torch
 from torch import nn
 
 import offload
+from conftest import CUDA_ONLY, reproducible, slow_side_streams
 from offload import OffloadError
-from offload.testing import GPT_MAPPING, build_gpt, first_difference, graph_pool_bytes, slow_copy_streams
+from offload.group import OffloadGroup
+from offload.testing import GPT_MAPPING, build_gpt, first_difference, graph_pool_bytes
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [*CUDA_ONLY, pytest.mark.usefixtures("deterministic")]
 
 NAMES = ["core_attn", "fc1", "mlp_act", "fc2"]
 SEQ, BATCH, HIDDEN, HEADS = 256, 2, 256, 4
-SPIN_CYCLES = 2_000_000
 
 
 @pytest.fixture(autouse=True)
-def _deterministic():
-    torch.use_deterministic_algorithms(True)
+def _synchronize():
     yield
-    torch.use_deterministic_algorithms(False)
     torch.cuda.synchronize()
 
 
@@ -171,10 +171,7 @@ class OrderedGraphs:
 
 def _reference(ref, data, order):
     """``ref``: a copy of the model taken before `offload.attach` (so it offloads nothing)."""
-    a = _eager_step(ref, data, order)
-    b = _eager_step(ref, data, order)
-    assert first_difference(a[1], b[1]) is None, "the reference is not reproducible"
-    return a
+    return reproducible(lambda: _eager_step(ref, data, order))
 
 
 def _chain(exc):
@@ -190,6 +187,28 @@ def _assert_equal(got, ref):
     for o, r in zip(got[0], ref[0]):
         assert torch.equal(o, r)
     assert first_difference(ref[1], got[1]) is None
+
+
+def _assert_captured(manager, per_name):
+    """The graphs hold ``per_name`` groups of each name in `NAMES`, and every one of them copies
+    bytes out to pinned buffers (what each forward replay writes and its backward reads)."""
+    captured = manager.captured_groups
+    assert Counter(g.name for g in captured) == {name: per_name for name in NAMES}
+    for g in captured:
+        assert sum(rec.nbytes for rec in g.records if rec.host is not None) > 0, g.label
+
+
+def _count_captured_launches(monkeypatch):
+    """Count the offload and reload launches made while the stream is being captured."""
+    launched = Counter()
+    for kind in ("launch_offload", "launch_reload"):
+        def counting(self, *args, _launch=getattr(OffloadGroup, kind), _kind=kind):
+            if torch.cuda.is_current_stream_capturing():
+                launched[_kind] += 1
+            return _launch(self, *args)
+
+        monkeypatch.setattr(OffloadGroup, kind, counting)
+    return launched
 
 
 ALL_FWD_THEN_BWD = [1, 2, -2, -1]
@@ -252,26 +271,36 @@ def test_te_make_graphed_callables_bitwise(configure):
     torch.backends.cuda.enable_cudnn_sdp(False)
     model = _model()
     ref_model = copy.deepcopy(model)
-    configure(NAMES, device="cuda", min_tensor_bytes=1 << 16)
+    manager = configure(NAMES, device="cuda", min_tensor_bytes=1 << 16)
     offload.attach(model, GPT_MAPPING)
     ref = _reference(ref_model, _inputs(0), ALL_FWD_THEN_BWD)
     try:
         graphed = Graphed(model, 2, graph_api=te.make_graphed_callables)
+        _assert_captured(manager, 2 * len(model.layers))  # each (layer, microbatch) callable, once
+        calls = manager.hook_calls
         for seed in range(3):
             _assert_equal(graphed.step(_inputs(seed), ALL_FWD_THEN_BWD),
                           ref if seed == 0 else _reference(ref_model, _inputs(seed), ALL_FWD_THEN_BWD))
+        assert manager.hook_calls == calls, "a replay runs none of our Python"
     finally:
         torch.backends.cuda.enable_cudnn_sdp(True)
 
 
 def test_slowed_copy_streams_inside_the_capture(configure, monkeypatch):
-    slow_copy_streams(monkeypatch, SPIN_CYCLES)
+    """The spinning kernels that delay every copy are captured with the copies, in both kinds
+    of graphs: the replays stay bitwise equal to eager."""
+    slow_side_streams(monkeypatch)
+    launched = _count_captured_launches(monkeypatch)
     model = _model()
     ref_model = copy.deepcopy(model)
-    configure(NAMES, device="cuda", min_tensor_bytes=1 << 16)
+    manager = configure(NAMES, device="cuda", min_tensor_bytes=1 << 16)
     offload.attach(model, GPT_MAPPING)
     graphs = OrderedGraphs(model, 2, ONE_F_ONE_B)
+    _assert_captured(manager, 2 * len(model.layers))
     graphed = Graphed(model, 2)
+    _assert_captured(manager, 2 * 2 * len(model.layers))  # the ordered graphs' groups, then these
+    # every captured group's copy out, and copies back, were launched (slowed) under capture
+    assert launched["launch_offload"] == len(manager.captured_groups) and launched["launch_reload"] > 0
     for seed in range(5):
         data = _inputs(seed)
         ref = _reference(ref_model, data, ONE_F_ONE_B)

@@ -17,38 +17,19 @@ import pytest
 import torch
 
 import offload
+from conftest import CUDA_ONLY, PIPELINE_GRID as GRID, gpt_chunks, reproducible, seeded_pair, slow_side_streams
 from offload.schedules import SchedulePlan, schedule_order
 from offload.testing import (
     GPT_MAPPING, LIGHT_MODULES, build_gpt, first_difference, recompute, replay_order, train_step,
 )
-from test_cuda import _slow_side_streams
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [*CUDA_ONLY, pytest.mark.usefixtures("deterministic")]
 
 HIDDEN, HEADS, LAYERS, SEQ = 256, 4, 2, 2048
 SHAPE = (SEQ, 1, HIDDEN)
 NAMES = ["core_attn", "fc1"]
 
-
-def _ranks(pp):
-    return sorted({0, pp // 2, pp - 1})
-
-
-GRID = [
-    (pp, vpp, m, rank)
-    for pp in (1, 2, 4, 8)
-    for vpp in ((1,) if pp == 1 else (1, 2, 4))
-    for m in (pp, 2 * pp, 4 * pp)
-    for rank in _ranks(pp)
-]
 RESULTS: list[dict] = []
-
-
-@pytest.fixture(autouse=True)
-def _deterministic():
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(False)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -62,7 +43,7 @@ def _write_results():
 
 
 def _chunks(vpp):
-    return [build_gpt(HIDDEN, HEADS, LAYERS, dtype=torch.bfloat16, device="cuda", seed=c) for c in range(vpp)]
+    return gpt_chunks(vpp, HIDDEN, HEADS, LAYERS, dtype=torch.bfloat16, device="cuda")
 
 
 def _peak(run):
@@ -82,14 +63,11 @@ def test_replay_on_gpu(configure, monkeypatch, pp, vpp, m, rank):
     chunks = copy.deepcopy(ref_chunks)
     seed = 1000 * pp + 10 * m + rank
     run_ref = lambda: replay_order(ref_chunks, order, SHAPE, seed, torch.bfloat16, "cuda")  # noqa: E731
-    ref, peak_ref = _peak(run_ref)
-    again, _ = _peak(run_ref)
-    assert first_difference(ref, again) is None  # the reference is reproducible
-    del again
+    ref, peak_ref = reproducible(lambda: _peak(run_ref), grads=lambda result: result[0])
 
     manager = configure(NAMES, device="cuda", min_tensor_bytes=0)
     if (pp, vpp, rank) in {(4, 2, 0), (8, 4, 0), (2, 4, 1)}:
-        _slow_side_streams(monkeypatch)
+        slow_side_streams(monkeypatch)
     for c, chunk in enumerate(chunks):
         offload.attach(chunk, GPT_MAPPING, chunk_id=c)
     offload.set_schedule(order)
@@ -132,9 +110,7 @@ def test_offload_plus_recompute_at_or_below_full_recompute(configure):
     free = copy.deepcopy(plain)
     for pattern in LIGHT_MODULES:
         recompute(free, pattern)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(seq, 1, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
-    dy = torch.randn(seq, 1, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
+    x, dy = seeded_pair(0, seq, 1, hidden, dtype=torch.bfloat16, device="cuda")
     strip = lambda grads: {k.replace(".inner", ""): v for k, v in grads.items()}  # noqa: E731
 
     (_, ref), peak_plain = _peak(lambda: train_step(plain, x, dy))

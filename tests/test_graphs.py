@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import offload
+from conftest import seeded_pair
 from offload import OffloadError
 from offload.group import GroupState
 from offload.testing import GPT_MAPPING, build_gpt, first_difference
@@ -33,11 +34,6 @@ class Graph:
 
 def _capturing(manager, token):
     manager.streams.is_capturing = lambda: token is not None
-
-
-def _data(seed, seq=8):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(seq, 2, 32, generator=g), torch.randn(seq, 2, 32, generator=g)
 
 
 def _step(layer, x, g, key=None):
@@ -66,7 +62,7 @@ def setup(configure):
 
 def test_captured_region_offloads_everything_at_close_and_owns_its_buffers(setup):
     layer, ref_layer, manager = setup
-    x, g = _data(0)
+    x, g = seeded_pair(0, 8, 2, 32)
     _step(layer, x, g, key="L0")  # eager warm-up: the plan
     offload.end_iteration()
     assert [s[0] for s in manager._region_plans["L0"]] == NAMES
@@ -99,7 +95,7 @@ def test_captured_region_offloads_everything_at_close_and_owns_its_buffers(setup
     buffers = {id(rec.host) for grp in captured for rec in grp.records if rec.host is not None}
     assert buffers, "the graph keeps its pinned buffers after its backward"
     offload.end_iteration()
-    _step(layer, *_data(1), key="L0")  # an eager step after the capture cannot take them
+    _step(layer, *seeded_pair(1, 8, 2, 32), key="L0")  # an eager step after the capture cannot take them
     offload.end_iteration()
     assert buffers == {id(rec.host) for grp in manager.captured_groups for rec in grp.records if rec.host is not None}
     assert manager.pool.allocations > allocations
@@ -111,10 +107,10 @@ def test_captured_region_offloads_everything_at_close_and_owns_its_buffers(setup
 
 def test_changed_shape_under_capture_raises(setup):
     layer, _, manager = setup
-    _step(layer, *_data(0, seq=8), key="L0")
+    _step(layer, *seeded_pair(0, 8, 2, 32), key="L0")
     offload.end_iteration()
     _capturing(manager, Graph("fwd"))
-    x, _ = _data(0, seq=16)
+    x, _ = seeded_pair(0, 16, 2, 32)
     with pytest.raises(OffloadError, match="changed after the plan was frozen"):
         with offload.graphs.region("L0"):
             layer(x.requires_grad_(True))
@@ -124,7 +120,7 @@ def test_changed_shape_under_capture_raises(setup):
 
 def test_changed_group_structure_under_capture_raises(setup):
     layer, _, manager = setup
-    x, g = _data(0)
+    x, g = seeded_pair(0, 8, 2, 32)
     _step(layer, x, g, key="L0")
     offload.end_iteration()
     _capturing(manager, Graph("fwd"))
@@ -146,7 +142,7 @@ def test_capture_of_a_region_that_never_ran_eagerly_raises(setup):
 
 def test_capture_ended_without_join_is_reported(setup):
     layer, _, manager = setup
-    x, g = _data(0)
+    x, g = seeded_pair(0, 8, 2, 32)
     _step(layer, x, g, key="L0")
     offload.end_iteration()
     _capturing(manager, Graph("fwd"))
@@ -161,7 +157,7 @@ def test_capture_starts_clean_from_an_eager_forward(setup):
     """An eager forward whose last groups are still undecided when a capture begins keeps
     them on the GPU (their copy cannot start inside the capture); its gradients stay exact."""
     layer, ref_layer, manager = setup
-    x, g = _data(0)
+    x, g = seeded_pair(0, 8, 2, 32)
     _step(layer, x, g, key="L0")
     offload.end_iteration()
     xe = x.detach().requires_grad_(True)
@@ -188,7 +184,7 @@ def test_no_prefetch_across_graphs(setup):
     layer, _, manager = setup
     other = build_gpt(32, 4, 2).layers[1]
     offload.attach(torch.nn.ModuleList([other]), {"core_attn": "0.self_attention.core_attention"})
-    x, g = _data(0)
+    x, g = seeded_pair(0, 8, 2, 32)
     with offload.graphs.region("A"):  # warm-up in the capture order: both forwards, then backward
         h = layer(x.clone().requires_grad_(True))
     with offload.graphs.region("B"):
@@ -224,7 +220,7 @@ def test_capture_takes_a_larger_free_buffer_rather_than_allocate():
 def test_hook_calls_are_counted(setup):
     layer, _, manager = setup
     before = manager.hook_calls
-    _step(layer, *_data(0))
+    _step(layer, *seeded_pair(0, 8, 2, 32))
     assert manager.hook_calls > before
 
 
@@ -246,7 +242,7 @@ def test_torch_compile_stays_exact(configure):
     configure(["fc1"])
     offload.attach(model, GPT_MAPPING)
     compiled = torch.compile(model, backend="eager")
-    x, g = _data(0)
+    x, g = seeded_pair(0, 8, 2, 32)
     xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     compiled(xa).backward(g)
     ref(xb).backward(g)

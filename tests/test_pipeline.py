@@ -14,31 +14,19 @@ import pytest
 import torch
 
 import offload
+from conftest import PIPELINE_GRID as GRID, gpt_chunks
 from offload.errors import OffloadError
 from offload.group_policy import GroupInfo, by_layer, min_live, warmup_only
 from offload.manager import PipelineOffloadManager
 from offload.schedules import SchedulePlan, backward_order, kept_last_group, schedule_events, schedule_order
-from offload.testing import GPT_MAPPING, build_gpt, first_difference, replay_order
+from offload.testing import GPT_MAPPING, first_difference, replay_order
 
 SHAPE = (8, 2, 32)
 NAMES = ["core_attn", "fc1"]
 
 
-def _ranks(pp: int) -> list[int]:
-    return sorted({0, pp // 2, pp - 1})
-
-
-GRID = [
-    (pp, vpp, m, rank)
-    for pp in (1, 2, 4, 8)
-    for vpp in ((1,) if pp == 1 else (1, 2, 4))
-    for m in (pp, 2 * pp, 4 * pp)
-    for rank in _ranks(pp)
-]
-
-
 def _chunks(vpp: int, layers: int = 3) -> list[torch.nn.Module]:
-    return [build_gpt(32, 4, layers, seed=c) for c in range(vpp)]
+    return gpt_chunks(vpp, 32, 4, layers)
 
 
 def _attach(chunks: list[torch.nn.Module]) -> None:

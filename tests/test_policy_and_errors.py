@@ -72,12 +72,20 @@ def test_never_offload_mark_and_region(configure):
 
 
 def test_min_tensor_bytes_keeps_small_tensors(configure):
-    model = build_gpt(32, 4, 2)
-    configure(list(GPT_MAPPING), min_tensor_bytes=1 << 30)
-    offload.attach(model, GPT_MAPPING)
-    x = torch.randn(8, 2, 32)
-    model(x).sum().backward()
-    assert offload.end_iteration().total().bytes_offloaded == 0
+    """Above every saved tensor's size nothing moves; at 0 the same step offloads (the
+    control), and either way the gradients are those of the model without offloading."""
+    ref_model = build_gpt(32, 4, 2)
+    x, g = torch.randn(8, 2, 32), torch.randn(8, 2, 32)
+    _, ref = train_step(ref_model, x, g)
+    offloaded = {}
+    for min_bytes in (1 << 30, 0):
+        model = copy.deepcopy(ref_model)
+        configure(list(GPT_MAPPING), min_tensor_bytes=min_bytes)
+        offload.attach(model, GPT_MAPPING)
+        _, got = train_step(model, x, g)
+        assert first_difference(ref, got) is None, min_bytes
+        offloaded[min_bytes] = offload.end_iteration().total().bytes_offloaded
+    assert offloaded[1 << 30] == 0 and offloaded[0] > 0
 
 
 # ---------------------------------------------------------------- errors
@@ -145,6 +153,63 @@ def test_group_inside_group_of_same_name_raises(configure):
         z = y.exp()
     z.sum().backward()
     assert torch.equal(x.grad, x.exp().detach())
+
+
+@pytest.mark.parametrize("cause", ["same_name", "policy"])
+def test_error_in_a_module_pre_hook_surfaces_alone(configure, cause):
+    """When opening an attached module's group raises (a group of the same name is open
+    around it; the group policy raises), that error is the only one: the forward hook that
+    torch always calls closes nothing (no "pop from empty list" warned on top), no group is
+    left open, and the next step offloads with exact gradients."""
+    model = build_gpt(32, 4, 2)
+    ref_model = copy.deepcopy(model)
+    broken = [cause == "policy"]
+
+    def policy(info):
+        if broken[0] and info.name == "fc1" and info.layer == 1:
+            raise ValueError("policy failed")
+        return True
+
+    manager = configure(list(GPT_MAPPING), policy=policy)
+    offload.attach(model, GPT_MAPPING)
+    x, g = torch.randn(8, 2, 32), torch.randn(8, 2, 32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if cause == "same_name":
+            with pytest.raises(OffloadError, match="'fc1' opened inside a group of the same name"):
+                with offload.group("fc1"):
+                    model(x)
+        else:
+            with pytest.raises(ValueError, match="policy failed"):
+                model(x)
+    assert [str(w.message) for w in caught] == []
+    assert not manager.in_group
+    broken[0] = False
+    _, ref = train_step(ref_model, x, g)
+    _, got = train_step(model, x, g)
+    assert first_difference(ref, got) is None
+    stats = offload.end_iteration()
+    assert stats.by_name["fc1"].bytes_offloaded > 0
+    assert manager.live_handlers == [] and manager.pool.bytes_in_use == 0
+
+
+@pytest.mark.parametrize("make, bad", [
+    (lambda model: offload.group(3), "3 (int)"),
+    (lambda model: offload.attach(model, {3: "layers.*.mlp.linear_fc1"}), "3 (int)"),
+    (lambda model: offload.attach(model, {"fc1": 3}), "3 (int)"),
+    (lambda model: offload.attach(model, {"fc1": ["layers.*.mlp.linear_fc1", None]}), "None (NoneType)"),
+    (lambda model: offload.attach(model, {"fc1": b"layers.*.mlp.linear_fc1"}), "b'layers.*.mlp.linear_fc1' (bytes)"),
+], ids=["group_name", "mapping_key", "pattern", "pattern_in_list", "bytes_pattern"])
+def test_non_string_names_and_patterns_are_refused_early(configure, make, bad):
+    """A group name or an attach() pattern that is not a string: a TypeError that names the
+    value, at once (not difflib's "object of type 'int' has no len()" later)."""
+    configure(["fc1"])
+    model = build_gpt(32, 4, 1)
+    with pytest.raises(TypeError) as info:
+        make(model)
+    message = str(info.value)
+    assert message.startswith("offload: ") and "must be a string" in message and f"got {bad}" in message
+    assert offload.get_manager().declared_names == set()  # refused before anything was registered
 
 
 @pytest.mark.parametrize("when", ["inside_group", "after_group"])

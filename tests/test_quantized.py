@@ -5,6 +5,7 @@ The same path runs with the real TE classes in tests/test_te.py on the GPU machi
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import pytest
@@ -160,13 +161,26 @@ def test_subclass_without_protocol_is_kept(configure):
     class Plain(torch.Tensor):
         pass
 
+    def run(x, subclass, grouped):
+        h = x
+        for _ in range(2):  # two groups: the first is not the last, so its tensors would go out
+            with offload.group("g", h) if grouped else contextlib.nullcontext(h) as h_in:
+                t = h_in * 3
+                p = t.as_subclass(Plain) if subclass else t
+                h = p * p * 1.0  # the product saves p (as it is: Plain or plain), held by nothing else
+        h.sum().backward()
+        return x.grad
+
     configure(["g"])
-    x = torch.randn(16, 16, requires_grad=True)
-    with offload.group("g", x) as x_in:
-        y = (x_in.as_subclass(Plain) * 3).exp()
-    y.sum().backward()
-    assert torch.allclose(x.grad, 3 * (3 * x.detach()).exp())
-    assert offload.end_iteration().by_name["g"].bytes_offloaded == 0
+    offloaded = {}
+    for subclass in (True, False):  # False: the control, the same ops on plain tensors
+        x = torch.randn(16, 16, requires_grad=True)
+        ref = run(x.detach().clone().requires_grad_(True), subclass, grouped=False)
+        assert torch.equal(run(x, subclass, grouped=True), ref)
+        s = offload.end_iteration().by_name["g"]
+        assert s.groups == 2 and s.groups_kept == 1
+        offloaded[subclass] = s.bytes_offloaded
+    assert offloaded == {True: 0, False: 16 * 16 * 4}  # the first group's p, if plain
 
 
 def test_quantized_handle_checks_the_protocol():

@@ -171,10 +171,11 @@ def test_single_microbatch_forward_then_backward():
 
 
 # ---------------------------------------------------------------- invariants
-@pytest.mark.parametrize("case", ALL, ids=_ids)
-def test_invariants(case):
+def _assert_valid_order(case: tuple[int, int, int, int, int], order: list[int]) -> None:
+    """``order`` is a valid schedule for ``case``: every (chunk, microbatch) runs one forward
+    and, later, one backward; warm-up forwards, strict F/B alternation, then only backwards;
+    each entry means what Megatron's table says."""
     pp, vpp, m, rank, group = case
-    order = _order(case)
     events = schedule_events(order)
     assert len(order) == len(events) == 2 * m * vpp
     counts = Counter(events)
@@ -193,6 +194,11 @@ def test_invariants(case):
     # The order means what Megatron's table says it means.
     assert events == _events_from_table(case)
     assert backward_order(order) == [(c, mb) for kind, c, mb in events if kind == "B"]
+
+
+@pytest.mark.parametrize("case", ALL, ids=_ids)
+def test_invariants(case):
+    _assert_valid_order(case, _order(case))
 
 
 @pytest.mark.parametrize("case", ALL, ids=_ids)
@@ -275,9 +281,21 @@ def test_bad_arguments(args, match):
 
 
 def test_interleaved_accepts_what_megatron_accepts():
-    schedule_order(4, 2, 6, 0, 6)  # one group of 6
-    schedule_order(4, 2, 9, 0, 5)  # last group of 4 = pp
-    schedule_order(4, 1, 6, 0)  # no interleaving: any M
+    """Group sizes and microbatch counts that the default (groups of pp) would refuse, but
+    Megatron accepts, give valid orders of the right shape."""
+    one_group = schedule_order(4, 2, 6, 0, 6)  # one group of 6
+    _assert_valid_order((4, 2, 6, 0, 6), one_group)
+    # warm-up 2 * 3 + 6 = 12 = every forward: chunk 0 on mb 0-5, chunk 1 on mb 0-5, then the
+    # backwards, chunk 1 first
+    assert one_group == [1] * 6 + [2] * 6 + [-2] * 6 + [-1] * 6
+    last_group_of_pp = schedule_order(4, 2, 9, 0, 5)  # groups of 5, the last one of 4 = pp
+    _assert_valid_order((4, 2, 9, 0, 5), last_group_of_pp)
+    # forwards chunk 0 mb 0-4, chunk 1 mb 0-4, chunk 0 mb 5-8, chunk 1 mb 5-8; warm-up 6 + 5
+    assert last_group_of_pp == [1] * 5 + [2] * 5 + [1] + [1, -2] * 3 + [2, -2] * 2 + [2, -1] * 2 \
+        + [-1] * 3 + [-2] * 4 + [-1] * 4
+    no_interleaving = schedule_order(4, 1, 6, 0)  # no interleaving: any M
+    _assert_valid_order((4, 1, 6, 0, 4), no_interleaving)
+    assert no_interleaving == [1] * 3 + [1, -1] * 3 + [-1] * 3  # warm-up pp - rank - 1 = 3
 
 
 def test_bad_tables_and_orders():

@@ -35,6 +35,7 @@ from torch import nn  # noqa: E402
 
 import offload  # noqa: E402
 import offload.manager  # noqa: E402
+from conftest import seeded_pair  # noqa: E402
 from offload.chunk_handler import ChunkOffloadHandler  # noqa: E402
 from offload.testing import first_difference  # noqa: E402
 
@@ -50,19 +51,13 @@ def _import_te():
 
 
 te, _WHY = _import_te()
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(te is None, reason=_WHY or "needs TE")]
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(te is None, reason=_WHY or "needs TE"),
+              pytest.mark.usefixtures("deterministic")]
 
 DTYPE = torch.bfloat16
 HIDDEN, HEADS, SEQ, BATCH = 256, 4, 128, 2
 STEPS = 3
 MIN_BYTES = 1024  # below the default 1 MiB: the models here are small
-
-
-@pytest.fixture(autouse=True)
-def _deterministic():
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(False)
 
 
 # ----------------------------------------------------------------------------- models
@@ -155,9 +150,7 @@ def _recipe(kind: str | None):
 
 # ----------------------------------------------------------------------------- runs
 def _inputs(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator(device="cuda").manual_seed(1000 + step)
-    x = torch.randn(SEQ, BATCH, HIDDEN, device="cuda", dtype=DTYPE, generator=g)
-    return x, torch.randn(SEQ, BATCH, HIDDEN, device="cuda", dtype=DTYPE, generator=g)
+    return seeded_pair(1000 + step, SEQ, BATCH, HIDDEN, dtype=DTYPE, device="cuda")
 
 
 def _run(model_name: str, recipe_kind: str | None, names=(), steps: int = STEPS, memory: bool = False):

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Contributor tooling for the project's air-gapped GPU host (docs/contributing/gpu-host.md).
 # Issue 4 on the GPU machine: the CUDA-graph tests, the engine's CUDA regression tests, the
 # host-time benchmark (eager vs captured offloading), and an A/B of copy_chunk_bytes on the MoE
 # stack. Logs and results land in $OUT (default ./gpu_out).

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Contributor tooling for the project's air-gapped GPU host (docs/contributing/gpu-host.md).
 # The megatron-core integration on the GPU machine (issue 5): examples/megatron_gpt.py with and
 # without --offload-modules, bitwise loss and parameter comparisons, peak memory, step times.
 #

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Contributor tooling for the project's air-gapped GPU host (docs/contributing/gpu-host.md).
 # Issue 6 on the GPU machine: `offload` against save_on_cpu, torchtune, recompute (and TE /
 # Megatron, recorded as not run where Transformer Engine is missing), GPT and MoE stacks at two
 # sizes each, every configuration in its own process, then the scaling sweep. One command:
@@ -30,7 +31,7 @@ if [ -d /tmp/site ]; then
 else
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
-# Transformer Engine, installed by tools/gpu_te.sh (docs/te.md): the TE and Megatron rows run with it
+# Transformer Engine, installed by tools/gpu_te.sh (docs/contributing/gpu-host.md): the TE and Megatron rows run with it
 [ -d /tmp/tesite ] && export PYTHONPATH=/tmp/tesite:$PYTHONPATH
 export PYTHONUNBUFFERED=1
 read -r -a EXTRA <<< "${EXTRA_ARGS:-}"

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Contributor tooling for the project's air-gapped GPU host (docs/contributing/gpu-host.md).
 # Runs every workflow tool (offload.tools, docs/tools.md) for real on the GPU machine and writes
 # results, logs, pictures and the test fixtures under $OUT/tools/ (fixtures under
 # $OUT/tools/fixtures/, named as tests/fixtures/tools/ expects them). The steps get at most

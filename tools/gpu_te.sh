@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Transformer Engine 2.20.2 on the GPU machine (no package registry there), from the files that
-# tools/te_fetch.sh put in .te/ on the CPU machine. docs/te.md is the recipe.
+# Contributor tooling for the project's air-gapped GPU host (docs/contributing/gpu-host.md is the
+# recipe; users pip-install TE, docs/te.md): TE 2.20.2 there, from tools/te_fetch.sh's .te/ files.
 #
 #   bash tools/gpu_te.sh part .te/cu13.part_aa [...]   copy carried files to /tmp/te/ (sha256-checked)
 #   bash tools/gpu_te.sh install                      join, check, install to /tmp/tesite, build or

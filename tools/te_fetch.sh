@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Bring Transformer Engine 2.20.2 to the GPU machine, which has no package registry: this script
-# runs on the CPU machine (it needs the registry) and fills the ignored folder .te/ with what
-# tools/gpu_te.sh installs there. docs/te.md is the recipe; it quotes this script's timings.
+# Contributor tooling for the project's air-gapped GPU host (no package registry there; users
+# pip-install TE, docs/te.md): runs on the CPU machine and fills the ignored folder .te/ with what
+# tools/gpu_te.sh installs there. docs/contributing/gpu-host.md is the recipe and quotes its timings.
 #
 #   bash tools/te_fetch.sh              # wheels, the extension's source, bundle, parts, sums, plan
 #   bash tools/te_fetch.sh --prebuild   # the same, and also compile the torch extension here
