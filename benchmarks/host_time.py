@@ -27,8 +27,9 @@ from a fresh engine (``offload.reset(release_pool=True)``, then ``configure``). 
 * ``group_open_close`` at ``records_per_handler`` R: a chunk forward first fills its handler with
   R records (groups named ``fill`` of 16 tensors each, untimed), then runs groups named ``timed``
   of 4 tensors each; only ``open_group`` + ``close_group`` of those are timed (their packs are
-  not). A close offloads the previous ``timed`` group, so each round's first timed group is not
-  counted. The timed groups of a round add at most R/8 records; then the iteration ends and a
+  not). A close offloads the previous ``timed`` group and, past the in-flight bound, waits for
+  the copy before it; only such steady-state closes are counted (not a round's first two, nor
+  its last, which is the forward's end: it waits for every copy in flight). The timed groups of a round add at most R/8 records; then the iteration ends and a
   new round refills a fresh handler.
 * ``moe_step_host`` / ``moe_step_gpu`` (CUDA only): training steps of the MoE stacks of
   ``benchmarks/peers.py`` (bf16) with no offloading and with ``offload:core_attn``: host time
@@ -222,7 +223,7 @@ def measure_open_close(args: argparse.Namespace, records: int) -> tuple[float, d
         raise ValueError(f"records per handler must be a multiple of {TENSORS_PER_GROUP}, got {records}")
     m = fresh_engine(["fill", "timed"], args.engine_device, min_tensor_bytes=0)
     fill_groups = records // TENSORS_PER_GROUP
-    per_round = max(2, records // (8 * OPEN_CLOSE_TENSORS))  # adds at most records/8
+    per_round = max(8, records // (8 * OPEN_CLOSE_TENSORS))  # adds at most records/8 (but 8 at 128)
     open_ns: list[int] = []
     close_ns: list[int] = []
     samples: list[int] = []
@@ -247,7 +248,10 @@ def measure_open_close(args: argparse.Namespace, records: int) -> tuple[float, d
             t3 = now()
             if group is None:
                 raise FlowError("open_group('timed') returned None: the group does not offload")
-            if i > 0 and not warm:  # the first timed group's close has no previous group to offload
+            # Steady state only: the first timed close offloads no previous group, the second
+            # has nothing over the in-flight bound yet, and the last is the forward's end (it
+            # waits for every copy in flight, learned from the previous round).
+            if 1 < i < per_round - 1 and not warm:
                 open_ns.append(t1 - t0)
                 close_ns.append(t3 - t2)
                 samples.append(t1 - t0 + t3 - t2)

@@ -10,25 +10,28 @@ the first group after the previous handler's backward began). It
 * defers the offload of the newest group of each name until the next group of that name
   closes, so the chunk's last group of each name is decided only when the engine sees what
   follows the chunk's forward (the last-layer rule);
-* deduplicates saved storages among its live records.
+* deduplicates saved storages among its live records, with an index by storage address;
+* gives back what it holds when autograd has freed all its handles (`retire`).
 
 Its phase moves FORWARD -> FORWARD_DONE -> BACKWARD, or FORWARD -> BACKWARD directly when the
-chunk's backward immediately follows its forward, which is when the pending groups are kept.
-The manager keeps its handlers sorted by ``sort_key``, the position of their backward in the
-rank's schedule (see `PipelineOffloadManager`), so its deque lists them in backward order.
+chunk's backward immediately follows its forward, which is when the pending groups are kept;
+any phase may end in RETIRED. `advance` is the only way to change it, and checks the move.
+`offload.backward_order` keeps the handlers sorted by ``sort_key``, the position of their
+backward in the rank's schedule.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from .group import GroupState, OffloadGroup, TensorRecord
+from .group_policy import GroupInfo
 
 if TYPE_CHECKING:
-    from .manager import PipelineOffloadManager
+    from .copy_queue import CopyQueue
 
 
 class HandlerPhase(enum.IntEnum):
@@ -38,40 +41,65 @@ class HandlerPhase(enum.IntEnum):
     RETIRED = 3
 
 
+_PHASE_MOVES = frozenset({
+    (HandlerPhase.FORWARD, HandlerPhase.FORWARD_DONE),
+    (HandlerPhase.FORWARD, HandlerPhase.BACKWARD),
+    (HandlerPhase.FORWARD_DONE, HandlerPhase.BACKWARD),
+    (HandlerPhase.FORWARD, HandlerPhase.RETIRED),
+    (HandlerPhase.FORWARD_DONE, HandlerPhase.RETIRED),
+    (HandlerPhase.BACKWARD, HandlerPhase.RETIRED),
+})
+
+
 class ChunkOffloadHandler:
     """The offload groups of one (model chunk, microbatch) forward."""
 
     def __init__(
         self,
-        manager: "PipelineOffloadManager",
         chunk_id: int,
         microbatch: int,
         iteration: int = 0,
         phase: str = "warmup",
         live: int = 1,
         sort_key: tuple = (),
+        capture: Any = None,
+        on_idle: Callable[["ChunkOffloadHandler"], None] | None = None,
     ) -> None:
-        self.manager = manager
         self.chunk_id = chunk_id
         self.microbatch = microbatch
         self.iteration = iteration
         self.schedule_phase = phase
         self.live = live
         self.sort_key = sort_key
+        self.capture = capture  # the capture session this forward was captured in, if any
+        self._on_idle = on_idle  # told when autograd has freed every handle of this handler
         self.phase = HandlerPhase.FORWARD
         self.invocations: dict[str, int] = {}
         self.groups: list[OffloadGroup] = []
         self.last_of_name: dict[str, OffloadGroup] = {}
         self.pending: dict[str, OffloadGroup] = {}
-        self._records: dict[tuple[int, torch.dtype], list[TensorRecord]] = {}
+        self._by_storage: dict[int, list[TensorRecord]] = {}  # storage address -> its records
         self.alive = 0
-        self.capture = None  # the capture session this forward was captured in, if any
         self.graphable = False  # a group ran inside an `offload.graphs.region`: keep nothing
 
     def __repr__(self) -> str:
         return (
             f"ChunkOffloadHandler(chunk={self.chunk_id}, mb={self.microbatch}, it={self.iteration}, "
             f"phase={self.phase.name}, groups={len(self.groups)}, alive={self.alive})"
+        )
+
+    def advance(self, new: HandlerPhase) -> None:
+        """Move to phase ``new``; a move not in the docstring's diagram is an engine bug."""
+        if (self.phase, new) not in _PHASE_MOVES:
+            raise AssertionError(f"offload: {self!r} cannot go from {self.phase.name} to {new.name}")
+        self.phase = new
+
+    def group_info(self, name: str, layer: int, plan: Any) -> GroupInfo:
+        """What a `GroupPolicy` decides from, for invocation ``layer`` of ``name`` here."""
+        return GroupInfo(
+            name=name, layer=layer, chunk_id=self.chunk_id, microbatch=self.microbatch,
+            phase=self.schedule_phase,  # type: ignore[arg-type]
+            live=self.live, max_live=plan.max_live if plan is not None else None, iteration=self.iteration,
         )
 
     def next_layer(self, name: str) -> int:
@@ -83,8 +111,7 @@ class ChunkOffloadHandler:
     def new_group(self, name: str, layer: int) -> OffloadGroup:
         """Open the offload group of invocation ``layer`` of ``name``, linked to the previous
         offloaded group of that name."""
-        prev = self.last_of_name.get(name)
-        group = OffloadGroup(name, layer, self, prev)
+        group = OffloadGroup(name, layer, self, self.last_of_name.get(name), self.capture)
         self.groups.append(group)
         self.last_of_name[name] = group
         return group
@@ -94,33 +121,45 @@ class ChunkOffloadHandler:
         not the last of its name and can be offloaded now. Launching it only now (not when
         ``group`` opened) lets ``group`` take over the storages both saved (see `_share`)."""
         previous = self.pending.pop(group.name, None)
-        group.state = GroupState.PENDING
+        group.advance(GroupState.PENDING)
         self.pending[group.name] = group
         return previous
 
-    def find_or_add_record(self, group: OffloadGroup, t: torch.Tensor, ptr: int, start: int, numel: int) -> TensorRecord:
+    def take_pending(self) -> list[OffloadGroup]:
+        """The groups still waiting for the last-layer decision, which is now being made."""
+        pending = list(self.pending.values())
+        self.pending.clear()
+        return pending
+
+    def record_for(self, group: OffloadGroup, t: torch.Tensor, ptr: int, start: int, numel: int,
+                   itemsize: int) -> TensorRecord:
         """The live record covering this span of this storage, or a new one owned by ``group``."""
-        key = (ptr, t.dtype)
+        dtype = t.dtype
         version = t._version
-        records = self._records.get(key)
-        if records is not None:
+        records = self._by_storage.get(ptr)
+        if records is None:
+            records = self._by_storage[ptr] = []
+        elif records:
             for rec in records:
-                if rec.covers(version, start, numel):
+                if rec.dtype is dtype and rec.covers(version, start, numel):
                     if rec.group is not group:
                         self._share(rec, group)
                     return rec
-        else:
-            records = self._records[key] = []
-        rec = TensorRecord(group, t, ptr, start, numel, version)
+            # The allocator hands a freed address out again (layer after layer): records of
+            # storages that are gone can never match again, and would make every lookup longer.
+            records[:] = [rec for rec in records if rec.storage_alive()]
+        rec = TensorRecord(group, t, ptr, start, numel, version, itemsize)
         records.append(rec)
         group.records.append(rec)
         return rec
 
     def live_aliases(self, ptr: int) -> int:
         """How many of our records still hold the storage at ``ptr`` (each holds one alias)."""
-        return sum(
-            1 for (p, _), records in self._records.items() if p == ptr for rec in records if rec.src is not None
-        )
+        count = 0
+        for rec in self._by_storage.get(ptr, ()):
+            if rec.src is not None:
+                count += 1
+        return count
 
     @staticmethod
     def _share(rec: TensorRecord, group: OffloadGroup) -> None:
@@ -138,15 +177,42 @@ class ChunkOffloadHandler:
         elif rec not in group.borrowed:
             group.borrowed.append(rec)
 
-    def on_handle_dead(self) -> None:
+    def handle_died(self) -> None:
+        """One of our handles was freed by autograd (called from its ``__del__``: only count)."""
         self.alive -= 1
-        if self.alive == 0:
-            self.manager._retire_candidates.append(self)
+        if self.alive == 0 and self._on_idle is not None:
+            self._on_idle(self)
 
-    def clear(self) -> None:
+    def holds_no_device_memory(self) -> bool:
+        """Whether retiring would free no GPU memory and wait on no event."""
+        return all(
+            group.state is not GroupState.OFFLOADING
+            and all(rec.src is None and rec.dev is None for rec in group.all_records())
+            for group in self.groups
+        )
+
+    def retire(self, copies: "CopyQueue") -> None:
+        """Give back everything this handler holds: the copies are settled first (with the
+        waits that make dropping their memory safe), then the pinned buffers go back to the
+        pool. Its saved tensors can no longer be unpacked."""
+        for group in self.groups:
+            copies.settle(group)
+            for rec in group.records:
+                rec.dev = None
+                rec.src = None
+                if rec.host is not None:
+                    copies.pool.release(rec.host, rec.last_read)
+                    rec.host = None
+            group.ready = None
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop the groups without touching their records (a captured handler's buffers are
+        its graphs', given back by `offload.capture.CaptureSessions.release_graphs`)."""
         self.groups.clear()
         self.invocations.clear()
         self.last_of_name.clear()
         self.pending.clear()
-        self._records.clear()
-        self.phase = HandlerPhase.RETIRED
+        self._by_storage.clear()
+        if self.phase is not HandlerPhase.RETIRED:
+            self.advance(HandlerPhase.RETIRED)

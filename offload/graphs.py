@@ -20,7 +20,7 @@ What this needs, and what this module provides:
   schedules. A reload is prefetched only from the same forward capture, and an event recorded
   in one capture is never waited on in another: graph replay order orders the rest.
 * **Buffers owned by graphs.** A captured group's pinned buffers never return to the pool
-  (every replay writes them); `PipelineOffloadManager.release_graphs` gives them back once the
+  (every replay writes them); `CaptureSessions.release_graphs` gives them back once the
   graphs are gone.
 
 Entry points: `graph` (``torch.cuda.graph`` whose body is a region), `make_graphed_callables`
@@ -53,11 +53,11 @@ def region(key: Any) -> Iterator[None]:
     offloads and their sizes); under capture, it checks the capture against that plan and, at
     its end, joins every copy it forked into the capturing stream (so the capture can end)."""
     manager = PipelineOffloadManager.get()
-    manager.enter_region(key)
+    manager.captures.enter_region(key)
     try:
         yield
     finally:
-        manager.exit_region(key)
+        manager.captures.exit_region(key)
 
 
 def join() -> None:
@@ -65,7 +65,7 @@ def join() -> None:
 
     Call it as the last step inside a ``torch.cuda.graph`` capture that offloads without
     `region`/`graph`; outside a capture it does nothing."""
-    PipelineOffloadManager.get().join_capture()
+    PipelineOffloadManager.get().captures.join()
 
 
 @contextlib.contextmanager

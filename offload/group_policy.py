@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Literal
 
+import torch
+
 __all__ = ["GroupInfo", "GroupPolicy", "by_layer", "min_live", "warmup_only"]
 
 
@@ -44,6 +46,19 @@ class GroupInfo:
 
 
 GroupPolicy = Callable[[GroupInfo], bool]
+
+
+def inside_checkpoint() -> bool:
+    """Whether the innermost saved-tensor hooks are those of a non-reentrant
+    `torch.utils.checkpoint` forward, which drops what is saved and recomputes it: a group
+    there is not offloaded (a reentrant checkpoint's forward runs under ``no_grad``)."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if top is None:
+        return False
+    pack = top[0]
+    return getattr(pack, "__module__", None) == "torch.utils.checkpoint" and getattr(
+        pack, "__qualname__", ""
+    ).startswith("_checkpoint_hook.")
 
 
 def by_layer(layers: Iterable[int] | Callable[[int], bool]) -> GroupPolicy:

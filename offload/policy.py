@@ -35,6 +35,7 @@ class TensorPolicy:
         self._owns = owns
         self.min_tensor_bytes = min_tensor_bytes
         self._blocked: dict[int, weakref.ref] = {}
+        self.never_offload_depth = 0  # `offload.never_offload` regions open: nothing is eligible
 
     def block_storage_of(self, tensor: torch.Tensor) -> None:
         """Never offload ``tensor``'s storage (any view of it) while the tensor lives."""
@@ -55,19 +56,26 @@ class TensorPolicy:
                 if t is not None:
                     self.block_storage_of(t)
 
-    def eligible(self, t: torch.Tensor) -> bool:
-        """Cheap checks first; the storage lookup last."""
-        if type(t) is not torch.Tensor or t.layout is not torch.strided:
+    def admits(self, t: torch.Tensor) -> bool:
+        """The whole test for one tensor (the pack hook runs its two parts with values it
+        has already computed)."""
+        return self.eligible(t, t.numel() * t.element_size()) and not self.blocked(t.untyped_storage().data_ptr())
+
+    def eligible(self, t: torch.Tensor, nbytes: int) -> bool:
+        """Every test but the storage's: ``t`` (of ``nbytes``) is a plain dense tensor on our
+        device, large enough, and neither a leaf that requires grad nor a view of one."""
+        if nbytes < self.min_tensor_bytes or type(t) is not torch.Tensor or t.layout is not torch.strided:
             return False
-        if not self._owns(t) or t.numel() * t.element_size() < self.min_tensor_bytes:
+        if not self._owns(t):
             return False
         if t.requires_grad and t.is_leaf:
             return False
         base = t._base
-        if base is not None and base.requires_grad and base.is_leaf:
+        return base is None or not (base.requires_grad and base.is_leaf)
+
+    def blocked(self, ptr: int) -> bool:
+        """Whether the storage at address ``ptr`` is marked never-offload (or a parameter's)."""
+        if not self._blocked:
             return False
-        if self._blocked:
-            ref = self._blocked.get(t.untyped_storage().data_ptr())
-            if ref is not None and ref() is not None:
-                return False
-        return True
+        ref = self._blocked.get(ptr)
+        return ref is not None and ref() is not None

@@ -32,15 +32,15 @@ class _GroupStart(torch.autograd.Function):
     """Identity on the group's inputs; its backward marks the end of the group's backward."""
 
     @staticmethod
-    def forward(ctx: Any, group: Any, *tensors: torch.Tensor) -> Any:
+    def forward(ctx: Any, manager: PipelineOffloadManager, group: Any, *tensors: torch.Tensor) -> Any:
+        ctx.manager = manager
         ctx.group = group
         return tensors if len(tensors) > 1 else tensors[0]
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        group = ctx.group
-        group.handler.manager.on_group_backward_done(group)
-        return (None, *grads)
+        ctx.manager.on_group_backward_done(ctx.group)
+        return (None, None, *grads)
 
 
 def _mark_inputs(group: Any, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -48,7 +48,7 @@ def _mark_inputs(group: Any, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.T
     idx = [i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not idx:
         return tensors
-    marked = _GroupStart.apply(group, *(tensors[i] for i in idx))
+    marked = _GroupStart.apply(PipelineOffloadManager.get(), group, *(tensors[i] for i in idx))
     if len(idx) == 1:
         marked = (marked,)
     out = list(tensors)
@@ -97,10 +97,10 @@ class never_offload:
     """Within this region, nothing is offloaded (tensors are still saved normally)."""
 
     def __enter__(self) -> None:
-        PipelineOffloadManager.get()._suppress += 1
+        PipelineOffloadManager.get().policy.never_offload_depth += 1
 
     def __exit__(self, *exc: Any) -> None:
-        PipelineOffloadManager.get()._suppress -= 1
+        PipelineOffloadManager.get().policy.never_offload_depth -= 1
 
 
 def mark_not_offload(*tensors: torch.Tensor) -> None:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import asdict, dataclass, field, fields
-from typing import Iterable
+from typing import Any, Iterable
 
 
 @dataclass
@@ -87,3 +88,50 @@ class IterationStats:
             d["by_name"][name]["d2h_gbps"] = s.d2h_gbps
             d["by_name"][name]["h2d_gbps"] = s.h2d_gbps
         return d
+
+
+class StatsRecorder:
+    """Collects one iteration's statistics as the engine runs; `collect` turns them into
+    `IterationStats` (reading the CUDA timing events then) and starts the next iteration's."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget what was collected so far (`reset` after an aborted step)."""
+        self.by_name: dict[str, GroupStats] = defaultdict(GroupStats)
+        self._timings: list[tuple[str, str, Any, Any]] = []
+        self._max_inflight = 0
+        self.handlers = 0
+
+    def __getitem__(self, name: str) -> GroupStats:
+        return self.by_name[name]
+
+    def time(self, kind: str, name: str, start: Any, end: Any) -> None:
+        """Add the time between two CUDA events to field ``kind`` of ``name``, at `collect`."""
+        self._timings.append((kind, name, start, end))
+
+    def note_inflight(self, count: int) -> None:
+        if count > self._max_inflight:
+            self._max_inflight = count
+
+    def collect(self, iteration: int, pool: Any) -> IterationStats:
+        """This iteration's statistics (waits for its timing events: a host sync)."""
+        for kind, name, start, end in self._timings:
+            end.synchronize()
+            stats = self.by_name[name]
+            setattr(stats, kind, getattr(stats, kind) + start.elapsed_time(end))
+        out = IterationStats(
+            iteration=iteration,
+            by_name=dict(self.by_name),
+            pinned_bytes=pool.bytes_total,
+            pinned_buffers=pool.num_buffers,
+            pinned_peak_bytes_in_use=pool.peak_bytes_in_use,
+            pinned_allocations=pool.allocations,
+            pinned_alloc_ms=pool.alloc_seconds * 1e3,
+            pinned_failures=pool.failures,
+            max_inflight_groups=self._max_inflight,
+            handlers=self.handlers,
+        )
+        self.clear()
+        return out

@@ -1,9 +1,10 @@
 """Copy streams and events: the only place that talks to CUDA's stream API.
 
 The engine orders its copies with events and stream waits alone (never a host
-synchronization). `CudaStreams` does this on a CUDA device; `HostStreams` is the CPU
-fallback with the same interface, where every operation completes at once, so the whole
-engine's logic runs (and is tested) on machines without a GPU.
+synchronization). `CudaStreams` does this on a CUDA device. `HostStreams` is the CPU
+fallback with the same interface, and it is built to fail loudly where the GPU would fail
+quietly: its side-stream copies run late (see `HostStreams`), so the CPU test suite catches
+a missing event edge instead of passing because every copy was already done.
 
 Never cache "the compute stream": frameworks and autograd switch streams, so the engine
 reads `current()` at the moment it needs it, and never inside a ``with stream(s):`` block
@@ -13,89 +14,43 @@ reads `current()` at the moment it needs it, and never inside a ``with stream(s)
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+import weakref
+from collections import deque
+from typing import Any, Sequence
 
 import torch
 
-
-class _HostEvent:
-    """An event of the CPU fallback: work is synchronous, so it is always complete."""
-
-    __slots__ = ()
-
-    def record(self, stream: Any = None) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-    def elapsed_time(self, end: "_HostEvent") -> float:
-        return 0.0
+CopyJob = tuple[torch.Tensor, torch.Tensor, int]
+"""``(dst, src, start)``: copy ``dst.numel()`` elements of ``src``'s storage from element
+``start`` on into the flat tensor ``dst``."""
 
 
-class _HostStream:
-    """A stream of the CPU fallback; waits are no-ops because copies complete at once."""
-
-    __slots__ = ()
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def wait_stream(self, stream: Any) -> None:
-        pass
-
-
-class HostStreams:
-    """CPU fallback of `CudaStreams`: host copies in place of device copies."""
-
-    is_cuda = False
-
-    def __init__(self) -> None:
-        self.device = torch.device("cpu")
-        self.d2h = _HostStream()
-        self.h2d = _HostStream()
-        self._stream = _HostStream()
-        self._event = _HostEvent()
-
-    def current(self) -> _HostStream:
-        return self._stream
-
-    def current_id(self) -> int:
-        return 0
-
-    def event(self, timing: bool = False) -> _HostEvent:
-        return self._event
-
-    def use(self, stream: Any) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    def is_capturing(self) -> bool:
-        return False
+def copy_in_pieces(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int) -> None:
+    """``dst.copy_(src)`` for flat tensors, issued as copies of at most ``chunk_bytes`` each
+    (all of it at once when ``chunk_bytes`` is 0 or larger than the tensor)."""
+    if not chunk_bytes or dst.nbytes <= chunk_bytes:
+        dst.copy_(src, non_blocking=True)
+        return
+    step = max(1, chunk_bytes // dst.element_size())
+    for start in range(0, dst.numel(), step):
+        dst[start:start + step].copy_(src[start:start + step], non_blocking=True)
 
 
-    def owns(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` lives on the device this engine offloads from."""
-        return tensor.device.type == "cpu"
+def _span(src: torch.Tensor, start: int, numel: int) -> torch.Tensor:
+    return src.as_strided((numel,), (1,), start)
 
 
+# ---------------------------------------------------------------------------- CUDA
 class CudaStreams:
     """The device-to-host and host-to-device side streams of one CUDA device."""
 
     is_cuda = True
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
         self._index = device.index if device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", self._index)
         self.d2h = torch.cuda.Stream(self.device)
         self.h2d = torch.cuda.Stream(self.device)
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        self._raw_current = (lambda: raw(self._index)) if raw is not None else (
-            lambda: torch.cuda.current_stream(self._index).cuda_stream
-        )
         # torch.cuda.current_stream() and torch.cuda.stream() cost tens of microseconds each
         # (device lookups through os.environ); the hooks call them for every group, so the hot
         # path calls the C functions behind them.
@@ -111,12 +66,23 @@ class CudaStreams:
         return stream
 
     def current_id(self) -> int:
-        """A cheap identity of the current stream (its raw handle), for the hot path."""
-        return self._raw_current()
+        """A cheap identity of the current stream, for the hot path."""
+        return torch._C._cuda_getCurrentStream(self._index)[0]
 
     def event(self, timing: bool = False) -> torch.cuda.Event:
         """A new event; ``timing=True`` for events whose elapsed time is read."""
         return torch.cuda.Event(enable_timing=timing)
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat device tensor for a reload, allocated on the current stream."""
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def copy(self, stream: torch.cuda.Stream, jobs: Sequence[CopyJob], chunk_bytes: int) -> None:
+        """Issue the copies ``jobs`` on ``stream`` (see `CopyJob`), in pieces of at most
+        ``chunk_bytes``. The caller has made ``stream`` wait for whatever the copies depend on."""
+        with self.use(stream):
+            for dst, src, start in jobs:
+                copy_in_pieces(dst, _span(src, start, dst.numel()), chunk_bytes)
 
     def use(self, stream: torch.cuda.Stream) -> contextlib.AbstractContextManager:
         """Make ``stream`` (of this device) current inside a ``with`` block; not reentrant for
@@ -130,7 +96,11 @@ class CudaStreams:
         return torch.cuda.is_current_stream_capturing()
 
     def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lives on the device this engine offloads from."""
         return tensor.is_cuda and tensor.get_device() == self._index
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
 
 
 class _StreamSwitch:
@@ -154,6 +124,208 @@ class _StreamSwitch:
         torch._C._cuda_setStream(stream_id=sid, device_index=index, device_type=dtype)
         if self._device != self._index:  # setting a stream makes its device current
             torch._C._cuda_setDevice(self._device)
+
+
+# ---------------------------------------------------------------------------- CPU fallback
+class MissingEventEdge(AssertionError):
+    """The CPU fallback saw memory given up while a copy that uses it had not run: on a GPU
+    that memory could be reused under the copy (a missing event edge in the engine)."""
+
+
+class _HostEvent:
+    """A point in one host stream's queue: complete once the stream ran up to it."""
+
+    __slots__ = ("clock", "stream", "position", "due")
+
+    def __init__(self, clock: "HostStreams") -> None:
+        self.clock = clock
+        self.stream: _HostStream | None = None
+        self.position = 0
+        self.due = 0
+
+    def record(self, stream: "_HostStream") -> None:
+        self.stream = stream
+        self.position = stream.issued
+        self.due = self.clock.ticks + HostStreams.COPY_TICKS
+
+    def query(self) -> bool:
+        """Whether the work before the event ran: only once `HostStreams.COPY_TICKS` more
+        events were made since it was recorded (then that work runs now)."""
+        stream = self.stream
+        if stream is None or stream.executed >= self.position:
+            return True
+        if self.clock.ticks < self.due:
+            return False
+        stream.run_until(self.position)
+        return True
+
+    def synchronize(self) -> None:
+        if self.stream is not None:
+            self.stream.run_until(self.position)
+
+    def elapsed_time(self, end: "_HostEvent") -> float:
+        return 0.0
+
+
+class _HostStream:
+    """A queue of deferred operations. The compute stream is the host itself (``eager``):
+    its work is done when issued, and a wait on it runs the awaited work at once."""
+
+    __slots__ = ("name", "eager", "ops", "issued", "executed", "_running", "__weakref__")
+
+    def __init__(self, name: str, eager: bool) -> None:
+        self.name = name
+        self.eager = eager
+        self.ops: deque[Any] = deque()
+        self.issued = 0
+        self.executed = 0
+        self._running = False
+
+    def enqueue(self, op: Any) -> None:
+        self.ops.append(op)
+        self.issued += 1
+
+    def run_until(self, position: int) -> None:
+        if self.executed >= position:
+            return
+        if self._running:
+            raise MissingEventEdge(f"offload CPU fallback: the {self.name} stream waits on itself (a cycle of waits)")
+        self._running = True
+        try:
+            while self.executed < position:
+                self.ops.popleft()()
+                self.executed += 1
+        finally:
+            self._running = False
+
+    def wait_event(self, event: _HostEvent) -> None:
+        if event.stream is None or event.stream is self:
+            return
+        if self.eager:
+            event.synchronize()
+        else:
+            self.enqueue(event.synchronize)
+
+    def wait_stream(self, stream: "_HostStream") -> None:
+        if stream.eager or stream is self:
+            return
+        if self.eager:
+            stream.run_until(stream.issued)
+        else:
+            position = stream.issued
+            self.enqueue(lambda: stream.run_until(position))
+
+
+class _HostCopy:
+    """Deferred copies. Device memory they use (a D2H copy's sources, an H2D copy's
+    destinations) is held weakly, as a GPU holds nothing: if the engine lets go of it
+    before the copy ran, that is reported as `MissingEventEdge`."""
+
+    __slots__ = ("streams", "jobs", "d2h", "chunk_bytes", "done")
+
+    def __init__(self, streams: "HostStreams", jobs: Sequence[CopyJob], d2h: bool, chunk_bytes: int) -> None:
+        self.streams = streams
+        self.chunk_bytes = chunk_bytes
+        self.done = False
+        self.d2h = d2h
+        watch = self._let_go
+        if d2h:  # the sources are device memory
+            self.jobs = [(dst, weakref.ref(src, watch), start) for dst, src, start in jobs]
+        else:  # the destinations are
+            self.jobs = [(weakref.ref(dst, watch), src, start) for dst, src, start in jobs]
+
+    def _let_go(self, _ref: Any) -> None:
+        if not self.done:
+            held = "source" if self.d2h else "destination"
+            self.streams.violations.append(
+                f"the engine let go of a copy's {held} before the copy ran (a missing event edge)"
+            )
+
+    def __call__(self) -> None:
+        self.done = True
+        d2h, chunk_bytes = self.d2h, self.chunk_bytes
+        for dst, src, start in self.jobs:
+            if d2h:
+                src = src()
+            else:
+                dst = dst()
+            if dst is not None and src is not None:
+                copy_in_pieces(dst, _span(src, start, dst.numel()), chunk_bytes)
+        self.jobs = []
+
+
+class HostStreams:
+    """The CPU fallback of `CudaStreams`, with copies that complete late.
+
+    The compute stream is the host (its work is done when issued). The D2H and H2D streams are
+    queues: a copy issued on them runs only when something waits for it (a wait by the
+    compute stream, an event's ``synchronize``, a side stream's queued wait being run), or when
+    an event after it is queried once the engine has made `COPY_TICKS` more events since it was
+    recorded: copies take time, about two groups' worth of engine work, and a query before
+    then says "not done". So:
+
+    * a tensor used before the wait that should order it reads what its copy has not yet
+      written (reload buffers and new host buffers start as 0xFF bytes: NaN for floats);
+    * a GPU tensor dropped before the copy that reads it ran, or a reload buffer before the
+      copy that writes it, is reported: the next call of this object raises
+      `MissingEventEdge` (on a GPU that memory could be reused under the copy).
+
+    Rule 2 (a reload waits for the compute stream) cannot be caught here: the host's own work
+    is always done. The engine logic is the same as on a GPU; no memory is saved.
+    """
+
+    is_cuda = False
+    COPY_TICKS = 4
+
+    def __init__(self) -> None:
+        self.ticks = 0  # events made so far: the clock that copies take time on
+        self.device = torch.device("cpu")
+        self.d2h = _HostStream("d2h", eager=False)
+        self.h2d = _HostStream("h2d", eager=False)
+        self._compute = _HostStream("compute", eager=True)
+        self.violations: list[str] = []
+
+    def _check(self) -> None:
+        if self.violations:
+            found, self.violations = self.violations, []
+            raise MissingEventEdge("offload CPU fallback: " + "; ".join(found))
+
+    def current(self) -> _HostStream:
+        self._check()
+        return self._compute
+
+    def current_id(self) -> int:
+        return 0
+
+    def event(self, timing: bool = False) -> _HostEvent:
+        self._check()
+        self.ticks += 1
+        return _HostEvent(self)
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A reload buffer, filled with 0xFF bytes until its copy runs."""
+        out = torch.empty(numel, dtype=dtype)
+        out.view(torch.uint8).fill_(0xFF)
+        return out
+
+    def copy(self, stream: _HostStream, jobs: Sequence[CopyJob], chunk_bytes: int) -> None:
+        self._check()
+        stream.enqueue(_HostCopy(self, jobs, stream is self.d2h, chunk_bytes))
+
+    def use(self, stream: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def is_capturing(self) -> bool:
+        return False
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lives on the device this engine offloads from."""
+        return tensor.is_cpu
+
+    def synchronize(self) -> None:
+        self.d2h.run_until(self.d2h.issued)
+        self.h2d.run_until(self.h2d.issued)
+        self._check()
 
 
 def make_streams(device: torch.device | str | None = None) -> CudaStreams | HostStreams:

@@ -296,19 +296,13 @@ def slow_copy_streams(monkeypatch: Any, spin_cycles: int = 2_000_000) -> None:
     before every offload and every reload, so copies run late: any missing event edge then
     reads or frees memory too early. ``monkeypatch`` is pytest's fixture (undone after the test);
     inside a CUDA graph capture the spin is captured too."""
-    from .group import OffloadGroup
+    from .streams import CudaStreams
 
-    launch_offload, launch_reload = OffloadGroup.launch_offload, OffloadGroup.launch_reload
+    copy = CudaStreams.copy
 
-    def slow_offload(self: Any, streams: Any, *args: Any) -> Any:
-        with torch.cuda.stream(streams.d2h):
+    def slow_copy(self: Any, stream: Any, *args: Any) -> None:
+        with torch.cuda.stream(stream):  # after the stream's waits, before its copies
             torch.cuda._sleep(spin_cycles)
-        return launch_offload(self, streams, *args)
+        copy(self, stream, *args)
 
-    def slow_reload(self: Any, streams: Any, *args: Any) -> Any:
-        with torch.cuda.stream(streams.h2d):
-            torch.cuda._sleep(spin_cycles)
-        return launch_reload(self, streams, *args)
-
-    monkeypatch.setattr(OffloadGroup, "launch_offload", slow_offload)
-    monkeypatch.setattr(OffloadGroup, "launch_reload", slow_reload)
+    monkeypatch.setattr(CudaStreams, "copy", slow_copy)

@@ -229,7 +229,7 @@ def test_make_graphed_callables_bitwise(configure, offloading):
         offload.end_iteration()
     graphed = Graphed(model, 2)
     if offloading:
-        assert len(manager.captured_groups) == 2 * 2 * len(NAMES), dict(manager._stats)
+        assert len(manager.captured_groups) == 2 * 2 * len(NAMES), dict(manager.stats.by_name)
         assert sum(rec.nbytes for g in manager.captured_groups for rec in g.records if rec.host is not None) > 0
     calls = manager.hook_calls
     for seed in range(3):
@@ -504,6 +504,6 @@ def test_error_pinned_allocation_during_capture(configure):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             out = model.layers[0](x)  # noqa: F841 - keeps the saved tensors alive
             offload.graphs.join()
-            raise AssertionError(f"no pinned allocation was attempted: {dict(manager._stats)}")
+            raise AssertionError(f"no pinned allocation was attempted: {dict(manager.stats.by_name)}")
     assert "pinned host buffer" in _chain(info.value)
     offload.reset(release_pool=True)

@@ -327,7 +327,7 @@ def test_exception_inside_forward_leaves_engine_usable(configure):
         model(x)
     h.remove()
     manager = offload.get_manager()
-    assert manager._open == [] and manager._names_open == []
+    assert not manager.in_group
     _, ref = train_step(ref_model, x, g)
     _, got = train_step(model, x, g)
     assert first_difference(ref, got) is None
@@ -391,20 +391,20 @@ def test_begin_chunk_numbers_microbatches(configure):
         w = torch.randn(8, requires_grad=True)
         for mb in range(2):
             offload.begin_chunk(chunk_id=1)
-            h = w
+            h = w * 1  # not a view of a leaf: offloaded (a range is named only for real copies)
             for _ in range(2):
                 with offload.group("a", h) as hin:
                     h = hin.sin() * 1
             h.sum().backward()
     finally:
         nv.push = real
-    assert labels == [
+    assert [m for m in labels if m.startswith("offload/")] == [
         "offload/a/L0/c1/mb0", "offload/a/L0/c1/mb1",
     ]
 
 
 def test_copy_in_pieces_covers_every_element():
-    from offload.group import copy_in_pieces
+    from offload.streams import copy_in_pieces
 
     src = torch.arange(1003, dtype=torch.float32)
     for chunk_bytes in (0, 4, 40, 4000, 4012, 1 << 20):
@@ -428,26 +428,14 @@ def test_copies_in_pieces_keep_gradients_bitwise(configure, chunk_bytes):
         assert offload.end_iteration().total().bytes_offloaded > 0
 
 
-class _LateEvent:
-    """A CPU-fallback event whose copy never reports done to a host query, as on a GPU the
-    host has run ahead of: only a GPU-side wait (a no-op here) can release its group."""
-
-    def record(self, stream=None):
-        pass
-
-    def query(self):
-        return False
-
-
 @pytest.mark.parametrize("modules", [["core_attn"], list(GPT_MAPPING)])
-def test_last_group_of_a_name_frees_the_copies_in_flight(configure, monkeypatch, modules):
+def test_last_group_of_a_name_frees_the_copies_in_flight(configure, modules):
     """When a chunk's last group of a name closes (learned from the chunk's previous forward),
     nothing offloaded is still in flight: the forward ends, and backward starts, with the
     memory of every offloaded group freed. The first forward cannot know which is last."""
     model = build_gpt(32, 4, 4)
     ref_model = copy.deepcopy(model)
-    manager = configure(modules)
-    monkeypatch.setattr(manager.streams, "event", lambda timing=False: _LateEvent())
+    manager = configure(modules)  # the CPU fallback's copies run only when waited for
     offload.attach(model, GPT_MAPPING)
     in_flight_at_forward_end = []
     for it in range(3):
@@ -455,7 +443,7 @@ def test_last_group_of_a_name_frees_the_copies_in_flight(configure, monkeypatch,
         model.zero_grad(set_to_none=False)
         xx = x.detach().requires_grad_(True)
         out = model(xx)
-        in_flight_at_forward_end.append([group.label for group in manager._inflight])
+        in_flight_at_forward_end.append([group.label for group in manager.copies.inflight])
         out.backward(g)
         _, ref = train_step(ref_model, x, g)
         got = {n: p.grad for n, p in model.named_parameters()}

@@ -65,7 +65,7 @@ def test_captured_region_offloads_everything_at_close_and_owns_its_buffers(setup
     x, g = seeded_pair(0, 8, 2, 32)
     _step(layer, x, g, key="L0")  # eager warm-up: the plan
     offload.end_iteration()
-    assert [s[0] for s in manager._region_plans["L0"]] == NAMES
+    assert [s[0] for s in manager.captures.plans["L0"]] == NAMES
     allocations = manager.pool.allocations
 
     fwd, bwd = Graph("fwd"), Graph("bwd")
@@ -73,10 +73,10 @@ def test_captured_region_offloads_everything_at_close_and_owns_its_buffers(setup
     xc = x.detach().requires_grad_(True)
     with offload.graphs.region("L0"):
         out = layer(xc)
-        groups = [grp for h in manager._handlers if h.capture is not None for grp in h.groups]
+        groups = [grp for h in manager.order.handlers if h.capture is not None for grp in h.groups]
         assert [grp.name for grp in groups] == NAMES
     assert all(grp.state is GroupState.OFFLOADED for grp in groups), "the region's end offloads all"
-    assert not manager._inflight, "the region's end joins every copy"
+    assert not manager.copies.inflight, "the region's end joins every copy"
     assert manager.pool.allocations == allocations, "a capture takes its buffers from the warm-up's"
     _capturing(manager, bwd)
     layer.zero_grad(set_to_none=True)
@@ -100,7 +100,7 @@ def test_captured_region_offloads_everything_at_close_and_owns_its_buffers(setup
     assert buffers == {id(rec.host) for grp in manager.captured_groups for rec in grp.records if rec.host is not None}
     assert manager.pool.allocations > allocations
 
-    manager.release_graphs()
+    manager.captures.release_graphs()
     assert manager.captured_groups == []
     assert manager.pool.bytes_in_use == 0
 
@@ -162,7 +162,7 @@ def test_capture_starts_clean_from_an_eager_forward(setup):
     offload.end_iteration()
     xe = x.detach().requires_grad_(True)
     eager_out = layer(xe)
-    eager_handler = manager._forward
+    eager_handler = manager.chunks.forward
     _capturing(manager, Graph("fwd"))
     with offload.graphs.region("L0"):
         layer(x.detach().requires_grad_(True))
@@ -226,9 +226,9 @@ def test_hook_calls_are_counted(setup):
 
 def test_region_closed_out_of_order_raises(setup):
     _, _, manager = setup
-    manager.enter_region("a")
+    manager.captures.enter_region("a")
     with pytest.raises(OffloadError, match="out of order"):
-        manager.exit_region("b")
+        manager.captures.exit_region("b")
     offload.reset()
 
 

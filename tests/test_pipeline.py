@@ -17,6 +17,7 @@ import offload
 from conftest import PIPELINE_GRID as GRID, gpt_chunks
 from offload.errors import OffloadError
 from offload.group_policy import GroupInfo, by_layer, min_live, warmup_only
+from offload.chunk_lifecycle import ChunkLifecycle
 from offload.manager import PipelineOffloadManager
 from offload.schedules import SchedulePlan, backward_order, kept_last_group, schedule_events, schedule_order
 from offload.testing import GPT_MAPPING, first_difference, replay_order
@@ -41,18 +42,18 @@ class _Spy:
         self.kept: dict[tuple[int, int], bool] = {}
         self.backward_starts: list[tuple[int, int]] = []
         self.deque_at_start: list[list[tuple[int, int]]] = []
-        real = PipelineOffloadManager._begin_backward
+        real = ChunkLifecycle.begin_backward
         spy = self
 
-        def begin_backward(manager, handler):
+        def begin_backward(chunks, handler):
             spy.kept[(handler.chunk_id, handler.microbatch)] = bool(handler.pending)
             spy.backward_starts.append((handler.chunk_id, handler.microbatch))
             spy.deque_at_start.append(
-                [(h.chunk_id, h.microbatch) for h in manager._handlers if h.phase.name != "BACKWARD"]
+                [(h.chunk_id, h.microbatch) for h in chunks.order.handlers if h.phase.name != "BACKWARD"]
             )
-            real(manager, handler)
+            real(chunks, handler)
 
-        monkeypatch.setattr(PipelineOffloadManager, "_begin_backward", begin_backward)
+        monkeypatch.setattr(ChunkLifecycle, "begin_backward", begin_backward)
 
 
 @pytest.mark.parametrize("with_schedule", [True, False], ids=["order", "inferred"])

@@ -25,24 +25,24 @@ def _policy(min_bytes=0):
 def test_policy_rejects_parameters_and_their_views():
     lin = nn.Linear(4, 4)
     p = _policy()
-    assert not p.eligible(lin.weight)
-    assert not p.eligible(lin.weight.t())  # a view of a parameter is not an nn.Parameter
+    assert not p.admits(lin.weight)
+    assert not p.admits(lin.weight.t())  # a view of a parameter is not an nn.Parameter
     with torch.no_grad():
         view = lin.weight.view(16)  # made without autograd: caught by the storage registry
     p.block_parameters(lin.parameters())
-    assert not p.eligible(view)
+    assert not p.admits(view)
 
 
 def test_policy_rejects_leaf_inputs_small_and_foreign_tensors():
     p = _policy(min_bytes=64)
     x = torch.randn(100, requires_grad=True)
-    assert not p.eligible(x)  # a user leaf: someone else holds it
+    assert not p.admits(x)  # a user leaf: someone else holds it
     y = x * 2
-    assert p.eligible(y)
-    assert not p.eligible(y[:10])  # 40 bytes < 64
+    assert p.admits(y)
+    assert not p.admits(y[:10])  # 40 bytes < 64
     other = TensorPolicy(lambda t: False, 0)  # tensors of another device
-    assert not other.eligible(y)
-    assert not p.eligible(torch.randn(100).to_sparse())
+    assert not other.admits(y)
+    assert not p.admits(torch.randn(100).to_sparse())
 
 
 def test_policy_rejects_subclasses():
@@ -50,7 +50,7 @@ def test_policy_rejects_subclasses():
         pass
 
     t = (torch.randn(100) * 2).as_subclass(Sub)
-    assert not _policy().eligible(t)
+    assert not _policy().admits(t)
 
 
 def test_never_offload_mark_and_region(configure):

@@ -221,14 +221,14 @@ def spy(monkeypatch):
         seen["split"].append(type(t).__name__)
         return split(t, *args)
 
-    add = ChunkOffloadHandler.find_or_add_record
+    add = ChunkOffloadHandler.record_for
 
     def recording_add(self, group, t, *args):
         seen["record_dtypes"].add(t.dtype)
         return add(self, group, t, *args)
 
     monkeypatch.setattr(offload.manager, "pack_quantized", counting_split)
-    monkeypatch.setattr(ChunkOffloadHandler, "find_or_add_record", recording_add)
+    monkeypatch.setattr(ChunkOffloadHandler, "record_for", recording_add)
     return seen
 
 

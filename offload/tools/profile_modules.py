@@ -189,7 +189,7 @@ def record_saved(work: Workload, min_tensor_bytes: int) -> list[dict[str, Any]]:
             rec = storages.setdefault(key, {"bytes": 0, "eligible": False, "savers": [],
                                             "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")})
             rec["bytes"] = max(rec["bytes"], nbytes)
-            rec["eligible"] = rec["eligible"] or policy.eligible(t)
+            rec["eligible"] = rec["eligible"] or policy.admits(t)
             if here not in rec["savers"]:
                 rec["savers"].append(here)
             keep_alive.append(t)

@@ -1,0 +1,130 @@
+"""`ChunkLifecycle`: the chunk handlers from their forward to their retirement.
+
+It owns the chunk forward in progress (the only handler in phase FORWARD), decides what
+happens to a forward's last groups when the forward ends, starts each handler's backward, and
+retires handlers once autograd has freed all their saved tensors.
+
+The last-layer rule. A chunk's last group of each name waits for a decision (`end_forward`):
+kept on the GPU when the next thing the engine sees is that chunk's own backward (offloading
+it would copy it out and straight back), offloaded when anything else comes first: another
+chunk's forward, another chunk's backward, or the end of the iteration.
+
+The forward's end. A group is offloaded when the next group of its name closes, so when a
+chunk's last group closes, the one before it has only just been launched; left in flight it
+would hold its memory through the forward's end, where the step's memory peaks. So the
+lifecycle remembers, from each chunk's previous forward, which group is the last of each name
+(`is_last_of_name`): when it closes, the compute stream waits for the copies in flight and
+their memory is freed. The first iteration cannot know it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .backward_order import BackwardOrder
+from .chunk_handler import ChunkOffloadHandler, HandlerPhase
+from .copy_queue import CopyQueue
+from .group import GroupState, OffloadGroup
+from .stats import StatsRecorder
+
+
+class ChunkLifecycle:
+    """Creates, ends, starts the backward of, and retires `ChunkOffloadHandler`s."""
+
+    def __init__(self, order: BackwardOrder, copies: CopyQueue, stats: StatsRecorder) -> None:
+        self.order = order
+        self.copies = copies
+        self.stats = stats
+        self.forward: ChunkOffloadHandler | None = None  # the chunk forward in progress
+        self._idle: list[ChunkOffloadHandler] = []  # handlers whose handles are all freed
+        self._last_layers: dict[tuple[int, str], int] = {}  # (chunk, name) -> last group's layer
+
+    def start(self, chunk_id: int, microbatch: int | None, session: Any) -> ChunkOffloadHandler:
+        """A new chunk forward: number it, make its handler and queue it in backward order.
+        Under capture (``session``) the handler is the graph's own: no schedule bookkeeping
+        (a graph is captured once and replayed in many iterations)."""
+        iteration = self.order.iteration
+        if session is not None:
+            handler = ChunkOffloadHandler(chunk_id, microbatch or 0, iteration, "captured", 1, (iteration, -1),
+                                          session, self._note_idle)
+            self.order.add_unordered(handler)
+        else:
+            slot = self.order.next_forward(chunk_id, microbatch)
+            handler = ChunkOffloadHandler(chunk_id, slot.microbatch, iteration, slot.phase, slot.live,
+                                          slot.sort_key, None, self._note_idle)
+            self.order.add(handler)
+        self.stats.handlers += 1
+        self.forward = handler
+        return handler
+
+    def end_forward(self, keep: bool) -> list[str]:
+        """The chunk forward in progress (if any) is over. Its last groups are kept on the GPU
+        (``keep``: its own backward follows, or a capture boundary cuts the forward) or
+        offloaded now; offloaded, their copies have just started, so the compute stream does
+        not wait for them here: the in-flight bound applies when the next group opens.
+        Returns the labels of those groups."""
+        handler = self.forward
+        if handler is None:
+            return []
+        self.forward = None
+        for name, group in handler.last_of_name.items():
+            self._last_layers[handler.chunk_id, name] = group.layer
+        pending = handler.take_pending()
+        handler.advance(HandlerPhase.FORWARD_DONE)
+        for group in pending:
+            if keep:
+                group.advance(GroupState.KEPT)
+                self.stats[group.name].groups_kept += 1
+            else:
+                self.copies.offload(group, bound=False)
+        return [group.label for group in pending]
+
+    def is_last_of_name(self, group: OffloadGroup) -> bool:
+        """Whether ``group`` was the last of its name in its chunk's previous forward."""
+        return self._last_layers.get((group.handler.chunk_id, group.name)) == group.layer
+
+    def begin_backward(self, handler: ChunkOffloadHandler) -> None:
+        """The first backward activity of ``handler``. If its forward was the last thing that
+        ran, its last groups stay on the GPU (the last-layer rule), unless it ran in a graph
+        region (planned as it will be captured: nothing kept). The copies in flight are waited
+        for (on the GPU) so the backward starts with their memory freed; any other chunk still
+        in forward is finished, and its last groups copy out while this backward runs."""
+        self.copies.release_all()
+        self.end_forward(keep=handler is self.forward and not handler.graphable)
+        handler.advance(HandlerPhase.BACKWARD)
+        self.order.backward_began(handler)
+
+    def _note_idle(self, handler: ChunkOffloadHandler) -> None:
+        self._idle.append(handler)  # from a handle's __del__: retired later, at a safe point
+
+    def retire_idle(self, graveyard: list[OffloadGroup] | None = None) -> None:
+        """Retire the handlers whose saved tensors autograd has all freed, never the chunk
+        still in forward. With a ``graveyard`` (a capture begins) only handlers that hold no
+        device memory are retired, and their groups (with their events) go there to outlive
+        the capture."""
+        if not self._idle:
+            return
+        candidates, self._idle = self._idle, []
+        for handler in candidates:
+            if handler.alive != 0 or handler.phase is HandlerPhase.RETIRED or handler.capture is not None:
+                continue  # a captured handler's buffers belong to its graphs (`release_graphs`)
+            if handler is self.forward or (graveyard is not None and not handler.holds_no_device_memory()):
+                self._idle.append(handler)  # later: once its forward is over, or out of the capture
+                continue
+            if graveyard is not None:
+                graveyard.extend(handler.groups)
+            self.retire(handler)
+
+    def retire(self, handler: ChunkOffloadHandler) -> None:
+        """Give back everything ``handler`` holds and take it out of the backward order."""
+        handler.retire(self.copies)
+        self.order.remove(handler)
+
+    def reset(self) -> None:
+        """Retire every handler (the caller made the compute stream wait for all copies)."""
+        for handler in list(self.order.handlers):
+            self.retire(handler)
+        self.order.reset()
+        self._idle.clear()
+        self._last_layers.clear()
+        self.forward = None

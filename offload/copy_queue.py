@@ -1,0 +1,232 @@
+"""`CopyQueue`: every offload and reload copy, the events that order them, and the bound on
+what is in flight. The engine's correctness rests on the notes below; the code refers back
+to them by number. All are event edges: the host never waits for the GPU.
+
+Note [1] Offload after the tensor exists. The D2H stream waits on the group's ``ready``
+    event, recorded on the compute stream when the group closed.
+
+Note [2] Reload after the memory it replaces is free, into memory the compute stream owns.
+    A reload is issued from the backward of the group after it; its buffers are allocated
+    on the current (compute) stream, so the caching allocator orders their reuse with that
+    stream, and the H2D stream first waits on the compute stream at that point.
+
+Note [3] Reload after the offload. The H2D stream waits on the D2H event of every group whose
+    records it reads (Megatron-LM #7398 reloaded without this edge and read stale data).
+    An offload captured in another CUDA graph is not waited on: it was joined into its own
+    graph's stream before that graph ended, and replay order orders it.
+
+Note [4] Backward after the reload. Before a reloaded tensor is handed to autograd, the
+    current stream waits on the reload's event (once per group and stream). A tensor that
+    nothing prefetched is reloaded on demand through the same path.
+
+Note [5] A GPU tensor that was copied out is dropped only when its D2H copy is known done:
+    an event query that says so, or after the compute stream was made to wait on the copy's
+    event. Never ``record_stream``: it delays frees unpredictably and breaks under capture.
+
+Note [6] A pinned buffer is written by a D2H copy only after the last H2D copy that read it
+    (the buffer keeps that event). A buffer taken during a capture was last read eagerly,
+    before the capture began (buffers a graph owns never return to the pool): waiting on that
+    event would invalidate the capture, and the synchronize before a capture orders it.
+
+The in-flight bound: at most ``max_inflight_groups`` groups may hold GPU memory while their
+copies run; past it the compute stream waits for the oldest (`apply_bound`), so the memory
+bound holds even when the host runs far ahead of the GPU.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from . import nvtx
+from .group import GroupState, OffloadGroup
+from .pinned_pool import PinnedHostPool
+from .stats import StatsRecorder
+
+
+class CopyQueue:
+    """Issues the copies of groups on the side streams and tracks those in flight."""
+
+    def __init__(self, streams: Any, pool: PinnedHostPool, stats: StatsRecorder, max_inflight: int,
+                 chunk_bytes: int, timing: bool) -> None:
+        self.streams = streams
+        self.pool = pool
+        self.stats = stats
+        self.max_inflight = max_inflight
+        self.chunk_bytes = chunk_bytes
+        self.timing = timing and streams.is_cuda
+        self.inflight: deque[OffloadGroup] = deque()
+
+    # ------------------------------------------------------------------ offload
+    def offload(self, group: OffloadGroup, bound: bool = True) -> None:
+        """PENDING -> OFFLOADING: queue the D2H copies of ``group``'s live records that copying
+        would free (a record whose storage something else holds stays on the GPU and is
+        counted in ``bytes_held_elsewhere``). With ``bound``, apply the in-flight bound."""
+        group.advance(GroupState.OFFLOADING)
+        captured = group.capture is not None
+        todo = []
+        shared = queued = 0
+        aliases, acquire = group.handler.live_aliases, self.pool.acquire
+        for rec in group.records:
+            rec.note_version()
+            if rec.src is None or rec.alive == 0:
+                continue
+            if not rec.copy_frees_memory(aliases(rec.ptr)):
+                shared += rec.nbytes
+                continue
+            rec.host = acquire(rec.nbytes, captured)
+            if rec.host is not None:
+                todo.append(rec)
+                queued += rec.nbytes
+        stats = self.stats[group.name]
+        stats.bytes_held_elsewhere += shared
+        if not todo:
+            group.advance(GroupState.OFFLOADED)
+            return
+        streams, d2h = self.streams, self.streams.d2h
+        timing = self.timing and not captured  # a captured event cannot be timed
+        nvtx.push("offload/" + group.label)
+        group.d2h_done = streams.event(timing)
+        d2h.wait_event(group.ready)  # Note [1]
+        if not captured:
+            seen = set()
+            for rec in todo:  # Note [6]
+                event = rec.host.last_read
+                if event is not None and id(event) not in seen:
+                    seen.add(id(event))
+                    d2h.wait_event(event)
+        start = self._timing_start(d2h, timing)
+        streams.copy(d2h, [(rec.host_view(), rec.src, rec.start) for rec in todo], self.chunk_bytes)
+        group.d2h_done.record(d2h)
+        nvtx.pop()
+        stats.groups_offloaded += 1
+        stats.bytes_offloaded += queued
+        stats.tensors_offloaded += len(todo)
+        if timing:
+            self.stats.time("d2h_ms", group.name, start, group.d2h_done)
+        self.inflight.append(group)
+        self.stats.note_inflight(len(self.inflight))
+        while bound and len(self.inflight) > self.max_inflight:
+            self._release(self.inflight.popleft(), wait=True)
+
+    def apply_bound(self) -> None:
+        """Free what is done; then, past the bound, make the compute stream wait for the
+        oldest copies (Note [5])."""
+        self.poll()
+        while len(self.inflight) > self.max_inflight:
+            self._release(self.inflight.popleft(), wait=True)
+
+    def poll(self) -> None:
+        """Free the GPU memory of groups whose copies are done; never blocks (Note [5])."""
+        if self.streams.is_capturing():
+            return
+        inflight = self.inflight
+        while inflight and inflight[0].d2h_done.query():
+            self._release(inflight.popleft(), wait=False)
+
+    def release_all(self) -> None:
+        """Free every group in flight; the compute stream waits for their copies on the GPU."""
+        while self.inflight:
+            self._release(self.inflight.popleft(), wait=True)
+
+    def drop_all(self) -> None:
+        """Free every group in flight without a wait: only right after a device synchronize
+        (a capture begins after one)."""
+        while self.inflight:
+            self.inflight.popleft().release()
+
+    def forget_session(self, session: Any) -> list[str]:
+        """Stop tracking the copies captured in ``session``; return their labels."""
+        labels = [g.label for g in self.inflight if g.capture is session]
+        if labels:
+            self.inflight = deque(g for g in self.inflight if g.capture is not session)
+        return labels
+
+    def _release(self, group: OffloadGroup, wait: bool) -> None:
+        if wait:
+            self.wait(group.stream, group.d2h_done, "offload_wait_ms", group.name)
+        group.release()
+
+    # ------------------------------------------------------------------ reload
+    def reload(self, group: OffloadGroup, prefetch: bool, session: Any = None) -> bool:
+        """Queue H2D copies of every record ``group``'s backward needs back (``session``: the
+        capture session this runs in, if any); whether there were any."""
+        todo = group.to_reload()
+        if not todo:
+            return False
+        streams, h2d = self.streams, self.streams.h2d
+        timing = self.timing and session is None
+        nvtx.push("reload/" + group.label)
+        current = streams.current()
+        for rec in todo:
+            rec.dev = streams.empty(rec.numel, rec.dtype)  # Note [2]
+        h2d.wait_stream(current)  # Note [2]
+        owners = {id(rec.group): rec.group for rec in todo}
+        for owner in owners.values():
+            if owner.capture is None or owner.capture is session:
+                h2d.wait_event(owner.d2h_done)  # Note [3]
+        done = streams.event(timing)
+        start = self._timing_start(h2d, timing)
+        streams.copy(h2d, [(rec.dev, rec.host_view(), 0) for rec in todo], self.chunk_bytes)
+        done.record(h2d)
+        nvtx.pop()
+        for rec in todo:
+            rec.reload_group = group
+            rec.last_read = done
+            rec.unpacked = 0
+        group.h2d_done = done
+        group.alloc_stream = current
+        group.waited = set()
+        stats = self.stats[group.name]
+        stats.bytes_reloaded += sum(rec.nbytes for rec in todo)
+        if prefetch:
+            stats.reloads_prefetched += 1
+        else:
+            stats.reloads_on_demand += 1
+        if timing:
+            self.stats.time("h2d_ms", group.name, start, done)
+        return True
+
+    def wait_reloaded(self, group: OffloadGroup) -> None:
+        """Note [4]: the current stream waits for ``group``'s reload (once per stream)."""
+        sid = self.streams.current_id()
+        if sid not in group.waited:
+            group.waited.add(sid)
+            self.wait(self.streams.current(), group.h2d_done, "reload_wait_ms", group.name)
+
+    # ------------------------------------------------------------------ retirement
+    def settle(self, group: OffloadGroup) -> None:
+        """Make dropping ``group``'s memory safe: a copy out still running is waited for
+        (Note [5]) and its group released; a reload whose buffers are still held is waited
+        for on the stream that allocated them. Captured groups need no wait (their graphs
+        order their copies) and allow none (their events belong to the capture)."""
+        captured = group.capture is not None
+        if group.state is GroupState.OFFLOADING:
+            if group in self.inflight:
+                self.inflight.remove(group)
+            if not captured:
+                group.stream.wait_event(group.d2h_done)
+            group.release()
+        if not captured and group.h2d_done is not None and group.alloc_stream is not None:
+            if any(rec.dev is not None and rec.reload_group is group for rec in group.all_records()):
+                group.alloc_stream.wait_event(group.h2d_done)
+
+    # ------------------------------------------------------------------ waits
+    def wait(self, stream: Any, event: Any, kind: str, name: str) -> None:
+        """``stream`` waits on ``event`` on the GPU; with timing, measure how long it stood."""
+        if self.timing and not self.streams.is_capturing():
+            before = self.streams.event(timing=True)
+            after = self.streams.event(timing=True)
+            before.record(stream)
+            stream.wait_event(event)
+            after.record(stream)
+            self.stats.time(kind, name, before, after)
+        else:
+            stream.wait_event(event)
+
+    def _timing_start(self, stream: Any, timing: bool) -> Any:
+        if not timing:
+            return None
+        start = self.streams.event(timing=True)
+        start.record(stream)
+        return start
