@@ -132,22 +132,11 @@ def _module_hooks(module: nn.Module, name: str) -> list[Any]:
     stack: list[group | None] = []
 
     def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        manager = PipelineOffloadManager.get()
-        nested = manager.in_group
         region = group(name)
         try:
-            region.__enter__()
-        except BaseException as exc:
+            region.__enter__()  # a failed open leaves nothing open (`open_group` undoes itself)
+        except BaseException:
             stack.append(None)
-            # `open_group` counts the name as open before the checks that can raise after it
-            # (the group policy, torch.compile, the capture state); only the check for a group
-            # of the same name already open raises before, always as OffloadError. A name
-            # counted here must not stay open, or the manager would stay "in a group".
-            if manager.in_group and (not nested or not isinstance(exc, OffloadError)):
-                try:
-                    manager.close_group(None, name)
-                except OffloadError:
-                    pass
             raise
         stack.append(region)
         g = region._group

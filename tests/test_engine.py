@@ -204,6 +204,7 @@ def test_address_reused_after_free_is_not_deduplicated(configure):
     del t  # the engine holds t's storage alone now: it is copied out and then freed
     with offload.group("g", a) as a_in:
         b = a_in * 1.0  # saves nothing; closing it starts the first group's copy
+    offload.get_manager().streams.synchronize()  # the copy has run (the CPU fallback's copies run late)
     with offload.group("g", b) as b_in:
         # opening a group frees the memory of the copies that are done: t's storage is gone
         assert first.expired()
