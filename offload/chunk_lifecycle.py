@@ -67,17 +67,23 @@ class ChunkLifecycle:
         if handler is None:
             return []
         self.forward = None
+        if not keep:
+            self.copies.launch_deferred(bound=False)
         for name, group in handler.last_of_name.items():
             self._last_layers[handler.chunk_id, name] = group.layer
         pending = handler.take_pending()
         handler.advance(HandlerPhase.FORWARD_DONE)
-        for group in pending:
-            if keep:
-                group.advance(GroupState.KEPT)
-                self.stats[group.name].groups_kept += 1
-            else:
-                self.copies.offload(group, bound=False)
+        if keep:
+            self.keep(pending)
+        for group in pending if not keep else ():
+            self.copies.offload(group, bound=False)
         return [group.label for group in pending]
+
+    def keep(self, groups: list[OffloadGroup]) -> None:
+        """These groups, waiting for their offload, stay on the GPU instead."""
+        for group in groups:
+            group.advance(GroupState.KEPT)
+            self.stats[group.name].groups_kept += 1
 
     def is_last_of_name(self, group: OffloadGroup) -> bool:
         """Whether ``group`` was the last of its name in its chunk's previous forward."""
@@ -89,6 +95,7 @@ class ChunkLifecycle:
         region (planned as it will be captured: nothing kept). The copies in flight are waited
         for (on the GPU) so the backward starts with their memory freed; any other chunk still
         in forward is finished, and its last groups copy out while this backward runs."""
+        self.copies.launch_deferred()
         self.copies.release_all()
         self.end_forward(keep=handler is self.forward and not handler.graphable)
         handler.advance(HandlerPhase.BACKWARD)

@@ -28,6 +28,13 @@ Note [6] A pinned buffer is written by a D2H copy only after the last H2D copy t
     before the capture began (buffers a graph owns never return to the pool): waiting on that
     event would invalidate the capture, and the synchronize before a capture orders it.
 
+Note [7] When a group's copies are issued. A group that is not the last of its name is known
+    when the next group of its name closes, but its copies are issued at the next group's open
+    (`defer`, `launch_deferred`): a copy engine serves the copies queued on it in order, so a
+    model's own small device-to-host copy between the two (an MoE router's ``.tolist()``, a
+    host sync) would otherwise wait behind the whole group's copy, every layer. Issued at the
+    open, the copy runs under the next group's compute instead.
+
 The in-flight bound: at most ``max_inflight_groups`` groups may hold GPU memory while their
 copies run; past it the compute stream waits for the oldest (`apply_bound`), so the memory
 bound holds even when the host runs far ahead of the GPU.
@@ -56,6 +63,7 @@ class CopyQueue:
         self.chunk_bytes = chunk_bytes
         self.timing = timing and streams.is_cuda
         self.inflight: deque[OffloadGroup] = deque()
+        self.deferred: list[OffloadGroup] = []  # decided, not yet issued (Note [7])
 
     # ------------------------------------------------------------------ offload
     def offload(self, group: OffloadGroup, bound: bool = True) -> None:
@@ -109,6 +117,15 @@ class CopyQueue:
         while bound and len(self.inflight) > self.max_inflight:
             self._release(self.inflight.popleft(), wait=True)
 
+    def defer(self, group: OffloadGroup) -> None:
+        """``group`` will be offloaded; its copies are issued by `launch_deferred` (Note [7])."""
+        self.deferred.append(group)
+
+    def launch_deferred(self, bound: bool = True) -> None:
+        """Issue the copies of the groups `defer` holds."""
+        while self.deferred:
+            self.offload(self.deferred.pop(0), bound)
+
     def apply_bound(self) -> None:
         """Free what is done; then, past the bound, make the compute stream wait for the
         oldest copies (Note [5])."""
@@ -137,9 +154,10 @@ class CopyQueue:
 
     def forget_session(self, session: Any) -> list[str]:
         """Stop tracking the copies captured in ``session``; return their labels."""
-        labels = [g.label for g in self.inflight if g.capture is session]
+        labels = [g.label for g in (*self.inflight, *self.deferred) if g.capture is session]
         if labels:
             self.inflight = deque(g for g in self.inflight if g.capture is not session)
+            self.deferred = [g for g in self.deferred if g.capture is not session]
         return labels
 
     def _release(self, group: OffloadGroup, wait: bool) -> None:

@@ -136,6 +136,7 @@ class PipelineOffloadManager:
             self.captures.release_graphs()
         self.captures.reset()
         self.copies.inflight.clear()
+        self.copies.deferred.clear()
         self._open.clear()
         self._names_open.clear()
         self.policy.never_offload_depth = 0
@@ -187,6 +188,7 @@ class PipelineOffloadManager:
         if policy is not None and not policy(handler.group_info(name, layer, self.order.plan)):
             self.stats[name].groups_declined += 1
             return None
+        self.copies.launch_deferred()
         self.copies.apply_bound()
         if self.captures.in_region:
             handler.graphable = True
@@ -214,8 +216,9 @@ class PipelineOffloadManager:
             self.captures.plan_step(group)
         previous = group.handler.close_group(group)
         if previous is not None:
-            self.copies.offload(previous)
+            self.copies.defer(previous)  # issued at the next group's open: Note [7] of offload.copy_queue
         if group.capture is None and self.chunks.is_last_of_name(group):
+            self.copies.launch_deferred()
             self.copies.release_all()  # the forward's end: see offload.chunk_lifecycle
         self.copies.poll()
 
@@ -321,9 +324,7 @@ class PipelineOffloadManager:
         )
 
     # ------------------------------------------------------------------ introspection
-    @property
-    def iteration(self) -> int:
-        return self.order.iteration
+    iteration = property(lambda self: self.order.iteration)
 
     @property
     def schedule(self) -> SchedulePlan | None:
@@ -342,7 +343,4 @@ class PipelineOffloadManager:
         """The groups captured into CUDA graphs (see `offload.capture`)."""
         return self.captures.captured_groups
 
-    @property
-    def in_group(self) -> bool:
-        """Whether a group (enabled or not) is open on this manager."""
-        return bool(self._names_open)
+    in_group = property(lambda self: bool(self._names_open), doc="Whether a group (enabled or not) is open.")

@@ -26,7 +26,7 @@ from torch import nn
 import offload
 from conftest import CUDA_ONLY, reproducible, slow_side_streams
 from offload import OffloadError
-from offload.group import OffloadGroup
+from offload.copy_queue import CopyQueue
 from offload.testing import GPT_MAPPING, build_gpt, first_difference, graph_pool_bytes
 
 pytestmark = [*CUDA_ONLY, pytest.mark.usefixtures("deterministic")]
@@ -201,13 +201,13 @@ def _assert_captured(manager, per_name):
 def _count_captured_launches(monkeypatch):
     """Count the offload and reload launches made while the stream is being captured."""
     launched = Counter()
-    for kind in ("launch_offload", "launch_reload"):
-        def counting(self, *args, _launch=getattr(OffloadGroup, kind), _kind=kind):
+    for kind in ("offload", "reload"):
+        def counting(self, *args, _launch=getattr(CopyQueue, kind), _kind=kind, **kwargs):
             if torch.cuda.is_current_stream_capturing():
                 launched[_kind] += 1
-            return _launch(self, *args)
+            return _launch(self, *args, **kwargs)
 
-        monkeypatch.setattr(OffloadGroup, kind, counting)
+        monkeypatch.setattr(CopyQueue, kind, counting)
     return launched
 
 
@@ -300,7 +300,7 @@ def test_slowed_copy_streams_inside_the_capture(configure, monkeypatch):
     graphed = Graphed(model, 2)
     _assert_captured(manager, 2 * 2 * len(model.layers))  # the ordered graphs' groups, then these
     # every captured group's copy out, and copies back, were launched (slowed) under capture
-    assert launched["launch_offload"] == len(manager.captured_groups) and launched["launch_reload"] > 0
+    assert launched["offload"] == len(manager.captured_groups) and launched["reload"] > 0
     for seed in range(5):
         data = _inputs(seed)
         ref = _reference(ref_model, data, ONE_F_ONE_B)

@@ -203,7 +203,9 @@ def test_address_reused_after_free_is_not_deduplicated(configure):
         a = w_in * t  # saves t (only: w_in's gradient needs t, t needs none)
     del t  # the engine holds t's storage alone now: it is copied out and then freed
     with offload.group("g", a) as a_in:
-        b = a_in * 1.0  # saves nothing; closing it starts the first group's copy
+        b = a_in * 1.0  # saves nothing; closing it decides the first group's offload
+    with offload.group("g", b) as b_in:
+        b = b_in * 1.0  # saves nothing; opening it started the first group's copy
     offload.get_manager().streams.synchronize()  # the copy has run (the CPU fallback's copies run late)
     with offload.group("g", b) as b_in:
         # opening a group frees the memory of the copies that are done: t's storage is gone

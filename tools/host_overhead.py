@@ -18,26 +18,33 @@ from collections import defaultdict
 import torch
 
 import offload
+from offload.chunk_lifecycle import ChunkLifecycle
+from offload.copy_queue import CopyQueue
 from offload.manager import PipelineOffloadManager
 from offload.testing import GPT_MAPPING, build_gpt
 
-ENTRY_POINTS = ["open_group", "close_group", "_pack", "_unpack", "on_group_backward_done",
-                "_launch", "_reload", "_begin_backward", "_release", "_poll_inflight", "begin_chunk"]
+ENTRY_POINTS = [
+    (PipelineOffloadManager, ["open_group", "close_group", "_pack", "_unpack", "on_group_backward_done",
+                              "begin_chunk"]),
+    (CopyQueue, ["offload", "reload", "launch_deferred", "apply_bound", "poll", "release_all", "wait_reloaded"]),
+    (ChunkLifecycle, ["begin_backward", "end_forward"]),
+]
 
 
 def _instrument(totals: dict[str, list[float]]) -> None:
-    for name in ENTRY_POINTS:
-        real = getattr(PipelineOffloadManager, name)
+    for owner, names in ENTRY_POINTS:
+        for name in names:
+            real = getattr(owner, name)
 
-        def timed(self, *a, _real=real, _name=name, **k):
-            t0 = time.perf_counter()
-            try:
-                return _real(self, *a, **k)
-            finally:
-                totals[_name][0] += time.perf_counter() - t0
-                totals[_name][1] += 1
+            def timed(self, *a, _real=real, _name=f"{owner.__name__}.{name}", **k):
+                t0 = time.perf_counter()
+                try:
+                    return _real(self, *a, **k)
+                finally:
+                    totals[_name][0] += time.perf_counter() - t0
+                    totals[_name][1] += 1
 
-        setattr(PipelineOffloadManager, name, timed)
+            setattr(owner, name, timed)
 
 
 def main() -> None:
