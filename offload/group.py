@@ -54,12 +54,11 @@ class GroupState(enum.IntEnum):
     OFFLOADED = 4
 
 
-_GROUP_MOVES = frozenset({
-    (GroupState.OPEN, GroupState.PENDING),
-    (GroupState.PENDING, GroupState.KEPT),
-    (GroupState.PENDING, GroupState.OFFLOADING),
-    (GroupState.OFFLOADING, GroupState.OFFLOADED),
-})
+_NEXT_STATES = {  # state -> the states it may move to (the diagram above)
+    GroupState.OPEN: {GroupState.PENDING},
+    GroupState.PENDING: {GroupState.KEPT, GroupState.OFFLOADING},
+    GroupState.OFFLOADING: {GroupState.OFFLOADED},
+}
 
 
 class TensorRecord:
@@ -250,7 +249,7 @@ class OffloadGroup:
 
     def advance(self, new: GroupState) -> None:
         """Move to ``new``; anything but a move of the diagram above is an engine bug."""
-        if (self.state, new) not in _GROUP_MOVES:
+        if new not in _NEXT_STATES.get(self.state, ()):
             raise AssertionError(f"offload: group {self.label} cannot go from {self.state.name} to {new.name}")
         self.state = new
 

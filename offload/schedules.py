@@ -41,6 +41,12 @@ __all__ = [
 Event = tuple[Literal["F", "B"], int, int]
 
 
+def _at_least_one(**values: int) -> None:
+    for name, value in values.items():
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
 def schedule_table(
     num_microbatches: int, num_model_chunks: int, microbatch_group_size: int
 ) -> list[tuple[int, int]]:
@@ -55,12 +61,8 @@ def schedule_table(
 
     Each chunk thus sees the microbatches in increasing order.
     """
-    if num_microbatches < 1:
-        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
-    if num_model_chunks < 1:
-        raise ValueError(f"num_model_chunks must be >= 1, got {num_model_chunks}")
-    if microbatch_group_size < 1:
-        raise ValueError(f"microbatch_group_size must be >= 1, got {microbatch_group_size}")
+    _at_least_one(num_microbatches=num_microbatches, num_model_chunks=num_model_chunks,
+                  microbatch_group_size=microbatch_group_size)
     table = []
     for first in range(0, num_microbatches, microbatch_group_size):
         group = range(first, min(first + microbatch_group_size, num_microbatches))
@@ -267,12 +269,7 @@ def _check(
     and a last group that is full or holds at least ``pp_size`` microbatches; with the
     default group (``pp_size``) this means ``num_microbatches`` is a multiple of ``pp_size``.
     """
-    if pp_size < 1:
-        raise ValueError(f"pp_size must be >= 1, got {pp_size}")
-    if vpp_size < 1:
-        raise ValueError(f"vpp_size must be >= 1, got {vpp_size}")
-    if num_microbatches < 1:
-        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    _at_least_one(pp_size=pp_size, vpp_size=vpp_size, num_microbatches=num_microbatches)
     if not 0 <= rank < pp_size:
         raise ValueError(f"rank must lie in [0, {pp_size - 1}] for pp_size={pp_size}, got {rank}")
     group = pp_size if microbatch_group_size is None else microbatch_group_size
