@@ -1,6 +1,7 @@
 """`offload` under Transformer Engine layers (issue 9). Skipped without CUDA or without TE.
 
-On the GPU machine, after ``bash tools/gpu_te.sh install`` (docs/te.md)::
+On a CUDA machine with Transformer Engine installed (docs/te.md; the project's air-gapped GPU
+host: ``bash tools/gpu_te.sh install``, docs/contributing/gpu-host.md)::
 
     eval "$(bash tools/gpu_te.sh env)"; python -m pytest -q tests/test_te.py
 
