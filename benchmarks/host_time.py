@@ -38,7 +38,8 @@ from a fresh engine (``offload.reset(release_pool=True)``, then ``configure``). 
   events around the same span; the GPU is idle before each step, ``end_iteration`` runs after.
 
 Results: ``{"records": [...]}`` with ``what``, ``records_per_handler`` (null where not
-applicable), ``microseconds``, ``device``, ``command`` (and ``config`` for the MoE records), and
+applicable), ``microseconds``, ``device``, ``command`` (a MoE record's ``what`` names its size and configuration, e.g.
+``moe_step_gpu (moe-l, offload:core_attn)``), and
 a Markdown table next to it (same name, ``.md``) with the targets. ``--merge`` keeps the records
 of other devices already in the JSON. Exits non-zero on any failure (targets missed are not
 failures: they are reported).
@@ -315,9 +316,9 @@ def measure_moe(args: argparse.Namespace, command: str) -> list[dict[str, Any]]:
             del model, x, grad
             config = f"{spec.name}, {cfg}"
             for what, values in (("moe_step_host", host), ("moe_step_gpu", gpu)):
-                records.append({"what": what, "records_per_handler": None,
+                records.append({"what": f"{what} ({config})", "records_per_handler": None,
                                 "microseconds": statistics.median(values), "device": device,
-                                "command": command, "config": config})
+                                "command": command})
             print(f"  {config}: host {statistics.median(host) / 1e3:.2f} ms, GPU {statistics.median(gpu) / 1e3:.2f} ms "
                   f"per step (median of {len(host)})", flush=True)
     return records
@@ -326,7 +327,7 @@ def measure_moe(args: argparse.Namespace, command: str) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------- output
 def validate(records: list[dict[str, Any]]) -> None:
     for r in records:
-        extra = set(r) - set(FIELDS) - ({"config"} if r.get("what", "").startswith("moe_") else set())
+        extra = set(r) - set(FIELDS)
         missing = set(FIELDS) - set(r)
         if extra or missing:
             raise ValueError(f"record {r}: fields missing {sorted(missing)}, unexpected {sorted(extra)}")
@@ -358,8 +359,8 @@ def markdown(records: list[dict[str, Any]], notes: dict[str, list[str]]) -> str:
         ratio = flat_ratio(oc)
         flat_ok = ratio is not None and ratio <= FLAT_RATIO
         lines += ["", f"## {device}", "", "Command: " + ", ".join(f"`{c}`" for c in commands), "",
-                  "| what | records per handler | config | µs | target | met |",
-                  "|---|---:|---|---:|---|---|"]
+                  "| what | records per handler | µs | target | met |",
+                  "|---|---:|---:|---|---|"]
         for r in rows:
             what, v = r["what"], r["microseconds"]
             target, met = "", ""
@@ -371,7 +372,7 @@ def markdown(records: list[dict[str, Any]], notes: dict[str, list[str]]) -> str:
                 met = ("yes" if v <= TARGETS_US[what] else "no") + (", flat" if flat_ok else ", not flat")
             rph = "" if r["records_per_handler"] is None else str(r["records_per_handler"])
             shown = f"{v:.2f}" if v < 1000 else f"{v:,.0f}"
-            lines.append(f"| {what} | {rph} | {r.get('config', '')} | {shown} | {target} | {met} |")
+            lines.append(f"| {what} | {rph} | {shown} | {target} | {met} |")
         if ratio is not None:
             lo = min(oc, key=lambda r: r["records_per_handler"])
             hi = max(oc, key=lambda r: r["records_per_handler"])

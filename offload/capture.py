@@ -99,8 +99,7 @@ class CaptureSessions:
         if new is not None:
             engine.chunks.retire_idle(graveyard=self._graveyard)
             engine.copies.drop_all()
-            engine.chunks.keep(engine.copies.deferred)  # their copy may not start inside the capture
-            engine.copies.deferred.clear()
+            engine.chunks.keep(engine.copies.take_deferred())  # their copy may not start inside the capture
             engine.chunks.end_forward(keep=True)
         self.session = new
 
@@ -119,8 +118,7 @@ class CaptureSessions:
         forward = engine.chunks.forward
         if forward is not None and forward.capture is self.session:
             engine.chunks.end_forward(keep=False)  # its last groups too: nothing waits past the graph's end
-        engine.copies.launch_deferred()
-        engine.copies.release_all()
+        engine.copies.flush()
         current = engine.streams.current()
         for event in self._reloads:
             current.wait_event(event)

@@ -75,8 +75,9 @@ class ChunkLifecycle:
         handler.advance(HandlerPhase.FORWARD_DONE)
         if keep:
             self.keep(pending)
-        for group in pending if not keep else ():
-            self.copies.offload(group, bound=False)
+        else:
+            for group in pending:
+                self.copies.offload(group, bound=False)
         return [group.label for group in pending]
 
     def keep(self, groups: list[OffloadGroup]) -> None:
@@ -95,8 +96,7 @@ class ChunkLifecycle:
         region (planned as it will be captured: nothing kept). The copies in flight are waited
         for (on the GPU) so the backward starts with their memory freed; any other chunk still
         in forward is finished, and its last groups copy out while this backward runs."""
-        self.copies.launch_deferred()
-        self.copies.release_all()
+        self.copies.flush()
         self.end_forward(keep=handler is self.forward and not handler.graphable)
         handler.advance(HandlerPhase.BACKWARD)
         self.order.backward_began(handler)

@@ -126,6 +126,23 @@ class CopyQueue:
         while self.deferred:
             self.offload(self.deferred.pop(0), bound)
 
+    def take_deferred(self) -> list[OffloadGroup]:
+        """Hand over the groups `defer` holds without issuing their copies."""
+        taken, self.deferred = self.deferred, []
+        return taken
+
+    def flush(self) -> None:
+        """Issue every deferred copy, then free every group in flight: the compute stream
+        waits for their copies on the GPU (the forward's end, a backward's start, a capture's
+        join)."""
+        self.launch_deferred()
+        self.release_all()
+
+    def reset(self) -> None:
+        """Forget every copy (the caller made the compute stream wait for the side streams)."""
+        self.inflight.clear()
+        self.deferred.clear()
+
     def apply_bound(self) -> None:
         """Free what is done; then, past the bound, make the compute stream wait for the
         oldest copies (Note [5])."""

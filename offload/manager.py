@@ -135,8 +135,7 @@ class PipelineOffloadManager:
         if release_pool:
             self.captures.release_graphs()
         self.captures.reset()
-        self.copies.inflight.clear()
-        self.copies.deferred.clear()
+        self.copies.reset()
         self._open.clear()
         self._names_open.clear()
         self.policy.never_offload_depth = 0
@@ -218,8 +217,7 @@ class PipelineOffloadManager:
         if previous is not None:
             self.copies.defer(previous)  # issued at the next group's open: Note [7] of offload.copy_queue
         if group.capture is None and self.chunks.is_last_of_name(group):
-            self.copies.launch_deferred()
-            self.copies.release_all()  # the forward's end: see offload.chunk_lifecycle
+            self.copies.flush()  # the forward's end: see offload.chunk_lifecycle
         self.copies.poll()
 
     def on_group_backward_done(self, group: OffloadGroup) -> None:

@@ -66,7 +66,7 @@ class CudaStreams:
         return stream
 
     def current_id(self) -> int:
-        """A cheap identity of the current stream, for the hot path."""
+        """A cheap identity of the current stream (its id), for the hot path."""
         return torch._C._cuda_getCurrentStream(self._index)[0]
 
     def event(self, timing: bool = False) -> torch.cuda.Event:
@@ -146,7 +146,7 @@ class _HostEvent:
     def record(self, stream: "_HostStream") -> None:
         self.stream = stream
         self.position = stream.issued
-        self.due = self.clock.ticks + HostStreams.COPY_TICKS
+        self.due = self.clock.ticks + self.clock.COPY_TICKS
 
     def query(self) -> bool:
         """Whether the work before the event ran: only once `HostStreams.COPY_TICKS` more
@@ -162,9 +162,6 @@ class _HostEvent:
     def synchronize(self) -> None:
         if self.stream is not None:
             self.stream.run_until(self.position)
-
-    def elapsed_time(self, end: "_HostEvent") -> float:
-        return 0.0
 
 
 class _HostStream:
@@ -311,9 +308,6 @@ class HostStreams:
     def copy(self, stream: _HostStream, jobs: Sequence[CopyJob], chunk_bytes: int) -> None:
         self._check()
         stream.enqueue(_HostCopy(self, jobs, stream is self.d2h, chunk_bytes))
-
-    def use(self, stream: Any) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
 
     def is_capturing(self) -> bool:
         return False

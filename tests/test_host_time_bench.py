@@ -22,8 +22,8 @@ def test_quick_run_writes_records_and_merges_other_devices(tmp_path: Path) -> No
     out = tmp_path / "results" / "host_time.json"
     out.parent.mkdir()
     device = host_time.device_label("cpu")
-    other = {"what": "moe_step_host", "records_per_handler": None, "microseconds": 1234.5,
-             "device": "NVIDIA H100 80GB HBM3", "command": "python benchmarks/host_time.py", "config": "moe-s, none"}
+    other = {"what": "moe_step_host (moe-s, none)", "records_per_handler": None, "microseconds": 1234.5,
+             "device": "NVIDIA H100 80GB HBM3", "command": "python benchmarks/host_time.py"}
     stale = {"what": "pack", "records_per_handler": None, "microseconds": 99.0, "device": device,
              "command": "an earlier run on this machine"}
     out.write_text(json.dumps({"records": [other, stale]}))
