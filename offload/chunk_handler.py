@@ -133,20 +133,20 @@ class ChunkOffloadHandler:
         """The live record covering this span of this storage, or a new one owned by ``group``."""
         dtype = t.dtype
         version = t._version
-        records = self._by_storage.get(ptr)
-        if records is None:
-            records = self._by_storage[ptr] = []
-        elif records:
-            for rec in records:
+        alive = []
+        for rec in self._by_storage.get(ptr, ()):
+            # Only a storage that provably still exists: the allocator hands a freed address out
+            # again (layer after layer), and a record of a storage that is gone can never match
+            # again (it is dropped, so it does not make every lookup longer).
+            if rec.storage_alive():
                 if rec.dtype is dtype and rec.covers(version, start, numel):
                     if rec.group is not group:
                         self._share(rec, group)
                     return rec
-            # The allocator hands a freed address out again (layer after layer): records of
-            # storages that are gone can never match again, and would make every lookup longer.
-            records[:] = [rec for rec in records if rec.storage_alive()]
+                alive.append(rec)
         rec = TensorRecord(group, t, ptr, start, numel, version, itemsize)
-        records.append(rec)
+        alive.append(rec)
+        self._by_storage[ptr] = alive
         group.records.append(rec)
         return rec
 

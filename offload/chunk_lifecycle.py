@@ -66,19 +66,29 @@ class ChunkLifecycle:
         handler = self.forward
         if handler is None:
             return []
-        self.forward = None
         if not keep:
             self.copies.launch_deferred(bound=False)
         for name, group in handler.last_of_name.items():
             self._last_layers[handler.chunk_id, name] = group.layer
-        pending = handler.take_pending()
-        handler.advance(HandlerPhase.FORWARD_DONE)
+        pending = self.hand_over_forward()
         if keep:
             self.keep(pending)
         else:
             for group in pending:
                 self.copies.offload(group, bound=False)
         return [group.label for group in pending]
+
+    def hand_over_forward(self) -> list[OffloadGroup]:
+        """The chunk forward in progress (if any) is over, and its groups still waiting for
+        the last-layer decision go to the caller undecided (a forward cut at a CUDA graph's
+        edge: Note [C1] of `offload.capture`)."""
+        handler = self.forward
+        if handler is None:
+            return []
+        self.forward = None
+        pending = handler.take_pending()
+        handler.advance(HandlerPhase.FORWARD_DONE)
+        return pending
 
     def keep(self, groups: list[OffloadGroup]) -> None:
         """These groups, waiting for their offload, stay on the GPU instead."""

@@ -37,7 +37,9 @@ Note [7] When a group's copies are issued. A group that is not the last of its n
 
 The in-flight bound: at most ``max_inflight_groups`` groups may hold GPU memory while their
 copies run; past it the compute stream waits for the oldest (`apply_bound`), so the memory
-bound holds even when the host runs far ahead of the GPU.
+bound holds even when the host runs far ahead of the GPU. Groups a graph copies for an
+earlier graph (`carry_in`, Note [C1] of `offload.capture`) are outside the bound: the graph's
+end frees them, and a wait for them at its start would stall every replay.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class CopyQueue:
         self.chunk_bytes = chunk_bytes
         self.timing = timing and streams.is_cuda
         self.inflight: deque[OffloadGroup] = deque()
+        self.carried = 0  # the first ``carried`` groups in flight are outside the bound (`carry_in`)
         self.deferred: list[OffloadGroup] = []  # decided, not yet issued (Note [7])
 
     # ------------------------------------------------------------------ offload
@@ -114,8 +117,8 @@ class CopyQueue:
             self.stats.time("d2h_ms", group.name, start, group.d2h_done)
         self.inflight.append(group)
         self.stats.note_inflight(len(self.inflight))
-        while bound and len(self.inflight) > self.max_inflight:
-            self._release(self.inflight.popleft(), wait=True)
+        if bound:
+            self._bound()
 
     def defer(self, group: OffloadGroup) -> None:
         """``group`` will be offloaded; its copies are issued by `launch_deferred` (Note [7])."""
@@ -141,14 +144,27 @@ class CopyQueue:
     def reset(self) -> None:
         """Forget every copy (the caller made the compute stream wait for the side streams)."""
         self.inflight.clear()
+        self.carried = 0
         self.deferred.clear()
 
     def apply_bound(self) -> None:
         """Free what is done; then, past the bound, make the compute stream wait for the
         oldest copies (Note [5])."""
         self.poll()
-        while len(self.inflight) > self.max_inflight:
-            self._release(self.inflight.popleft(), wait=True)
+        self._bound()
+
+    def _bound(self) -> None:
+        while len(self.inflight) - self.carried > self.max_inflight:
+            oldest = self.inflight[self.carried]
+            del self.inflight[self.carried]
+            self._release(oldest, wait=True)
+
+    def carry_in(self, groups: list[OffloadGroup]) -> None:
+        """Issue the copies of groups an earlier graph saved (Note [C1] of `offload.capture`),
+        outside the in-flight bound: the end of the graph being captured frees them."""
+        for group in groups:
+            self.offload(group, bound=False)
+        self.carried = len(self.inflight)
 
     def poll(self) -> None:
         """Free the GPU memory of groups whose copies are done; never blocks (Note [5])."""
@@ -157,23 +173,27 @@ class CopyQueue:
         inflight = self.inflight
         while inflight and inflight[0].d2h_done.query():
             self._release(inflight.popleft(), wait=False)
+            self.carried = max(0, self.carried - 1)
 
     def release_all(self) -> None:
         """Free every group in flight; the compute stream waits for their copies on the GPU."""
         while self.inflight:
             self._release(self.inflight.popleft(), wait=True)
+        self.carried = 0
 
     def drop_all(self) -> None:
         """Free every group in flight without a wait: only right after a device synchronize
         (a capture begins after one)."""
         while self.inflight:
             self.inflight.popleft().release()
+        self.carried = 0
 
     def forget_session(self, session: Any) -> list[str]:
         """Stop tracking the copies captured in ``session``; return their labels."""
         labels = [g.label for g in (*self.inflight, *self.deferred) if g.capture is session]
         if labels:
             self.inflight = deque(g for g in self.inflight if g.capture is not session)
+            self.carried = 0
             self.deferred = [g for g in self.deferred if g.capture is not session]
         return labels
 
@@ -239,6 +259,7 @@ class CopyQueue:
         if group.state is GroupState.OFFLOADING:
             if group in self.inflight:
                 self.inflight.remove(group)
+                self.carried = min(self.carried, len(self.inflight))
             if not captured:
                 group.stream.wait_event(group.d2h_done)
             group.release()

@@ -81,6 +81,46 @@ def graph(cuda_graph: torch.cuda.CUDAGraph, key: Any = "graph", **graph_kwargs: 
             yield
 
 
+class _RegionEdge(torch.autograd.Function):
+    """Identity on the tensors crossing a graphed callable's edge; its backward tells the
+    engine that the callable's backward reached that edge (Note [C2] of `offload.capture`):
+    on the outputs, that it begins; on the inputs, that it ends."""
+
+    @staticmethod
+    def forward(ctx: Any, on_backward: Callable[[], None], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.on_backward = on_backward
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.on_backward()
+        return (None, *grads)
+
+
+def _through_edge(values: Any, on_backward: Callable[[], None]) -> Any:
+    """``values`` (any pytree) with its tensors that need a gradient passed through `_RegionEdge`."""
+    leaves, spec = torch.utils._pytree.tree_flatten(values)
+    at = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor) and v.requires_grad]
+    if not at or not torch.is_grad_enabled():
+        return values
+    for i, t in zip(at, _RegionEdge.apply(on_backward, *(leaves[i] for i in at))):
+        leaves[i] = t
+    return torch.utils._pytree.tree_unflatten(leaves, spec)
+
+
+def _run_region(fn: Callable, key: Any, args: tuple) -> Any:
+    """``fn(*args)`` as the region ``key``, with edges that let its backward graph reload
+    before it needs the data and join its reloads before it ends (Note [C2])."""
+    captures = PipelineOffloadManager.get().captures
+    args = _through_edge(args, captures.join_backward)
+    captures.enter_region(key)
+    try:
+        outputs = fn(*args)
+    finally:
+        handler = captures.exit_region(key)
+    return _through_edge(outputs, lambda: captures.prefetch_region(handler))
+
+
 class _RegionModule(torch.nn.Module):
     """A module whose forward is a region; what `make_graphed_callables` graphs."""
 
@@ -90,8 +130,7 @@ class _RegionModule(torch.nn.Module):
         self.key = key
 
     def forward(self, *args: Any) -> Any:
-        with region(self.key):
-            return self.module(*args)
+        return _run_region(self.module, self.key, args)
 
 
 def _as_region(fn: Callable, key: Any) -> Callable:
@@ -99,8 +138,7 @@ def _as_region(fn: Callable, key: Any) -> Callable:
         return _RegionModule(fn, key)
 
     def run(*args: Any) -> Any:
-        with region(key):
-            return fn(*args)
+        return _run_region(fn, key, args)
 
     return run
 

@@ -54,6 +54,9 @@ class GroupState(enum.IntEnum):
     OFFLOADED = 4
 
 
+_use_count = torch._C._storage_Use_Count
+_NO_WAITS: frozenset[int] = frozenset()
+
 _NEXT_STATES = {  # state -> the states it may move to (the diagram above)
     GroupState.OPEN: {GroupState.PENDING},
     GroupState.PENDING: {GroupState.KEPT, GroupState.OFFLOADING},
@@ -112,7 +115,7 @@ class TensorRecord:
         and it was not shrunk after it was saved (a recompute mechanism, megatron's
         ``CheckpointWithoutOutput``, freed it and refills it before backward needs it)."""
         storage = self.src.untyped_storage()
-        return (torch._C._storage_Use_Count(storage._cdata) - 1 <= our_aliases
+        return (_use_count(storage._cdata) - 1 <= our_aliases
                 and storage.nbytes() >= (self.start + self.numel) * self.itemsize)
 
     def storage_alive(self) -> bool:
@@ -122,15 +125,10 @@ class TensorRecord:
         return t is not None and t.untyped_storage().data_ptr() == self.ptr
 
     def covers(self, version: int, start: int, numel: int) -> bool:
-        """Whether a tensor of ``version`` spanning [start, start+numel) can reuse this record.
-
-        Only while the storage is provably alive (we hold it, or a weak reference to the saved
-        tensor is alive) and still at this address: an address reused after a free, or after
-        the storage was shrunk (``resize_(0)`` by a recompute mechanism), is another tensor.
-        """
-        if version != self.version or start < self.start or start + numel > self.start + self.numel:
-            return False
-        return self.storage_alive()
+        """Whether a tensor of ``version`` spanning [start, start+numel) of this record's storage
+        can reuse this record. Ask only while `storage_alive`: an address reused after a free, or
+        after the storage was shrunk (``resize_(0)`` by a recompute mechanism), is another tensor."""
+        return version == self.version and self.start <= start and start + numel <= self.start + self.numel
 
     def check_version(self, label: str) -> None:
         """Raise if the saved tensor was changed in place since it was saved."""
@@ -144,11 +142,6 @@ class TensorRecord:
         """Remember a change made before our copy read the tensor (checked again at unpack)."""
         if self.src is not None and self.src._version != self.version:
             self.modified = True
-
-    def drop_device(self) -> None:
-        """Let go of the GPU tensor once the D2H copy is known done (the caller made sure)."""
-        self.note_version()
-        self.src = None
 
     def _raise(self, label: str, now: int | None) -> None:
         where = f"is at version {now}; expected version {self.version} instead" if now is not None else (
@@ -241,7 +234,8 @@ class OffloadGroup:
         self.d2h_done: Any = None  # recorded after the group's D2H copies
         self.h2d_done: Any = None  # recorded after the group's latest reload copies
         self.alloc_stream: Any = None  # the stream that allocated the reload buffers
-        self.waited: set[int] = set()  # streams that waited on ``h2d_done`` (rule 4)
+        # The streams that waited on ``h2d_done`` (rule 4); a reload gives the group its own set.
+        self.waited: set[int] | frozenset[int] = _NO_WAITS
         self.capture = capture  # the capture session this group's forward was captured in
 
     def __repr__(self) -> str:
@@ -266,6 +260,9 @@ class OffloadGroup:
         """OFFLOADING -> OFFLOADED: drop the GPU references of records whose D2H copy is done
         (the caller made sure: an event query, or the compute stream waits on ``d2h_done``)."""
         for rec in self.records:
-            if rec.host is not None and rec.src is not None:
-                rec.drop_device()
+            src = rec.src
+            if src is not None and rec.host is not None:
+                if src._version != rec.version:  # changed before its copy read it (`note_version`)
+                    rec.modified = True
+                rec.src = None
         self.advance(GroupState.OFFLOADED)

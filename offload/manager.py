@@ -235,7 +235,7 @@ class PipelineOffloadManager:
                 target = successor.last_of_name.get(group.name)
         # A reload may not cross a graph's edge (Note [3] of offload.copy_queue).
         if target is not None and target.capture is group.capture and target.state is GroupState.OFFLOADED:
-            self._reload(target, prefetch=True)
+            self.reload(target, prefetch=True)
         self.copies.poll()
 
     # ------------------------------------------------------------------ saved-tensor hooks
@@ -288,7 +288,7 @@ class PipelineOffloadManager:
                     f"offload: a saved tensor of group {group.label!r} is neither on the GPU nor on "
                     "the host; the manager was reset while the graph that saved it was alive"
                 )
-            self._reload(group, prefetch=False)
+            self.reload(group, prefetch=False)
         self.copies.wait_reloaded(rec.reload_group)  # Note [4] of offload.copy_queue
         out = rec.dev.as_strided(h.size, h.stride, h.offset - rec.start)
         rec.unpacked += 1
@@ -307,7 +307,8 @@ class PipelineOffloadManager:
         if self.captures.sync() is None:
             self.chunks.retire_idle()
 
-    def _reload(self, group: OffloadGroup, prefetch: bool) -> None:
+    def reload(self, group: OffloadGroup, prefetch: bool) -> None:
+        """Issue ``group``'s reload in the current capture session, if any (joined at its end)."""
         session = self.captures.sync()
         if self.copies.reload(group, prefetch, session) and session is not None:
             self.captures.note_reload(group.h2d_done)

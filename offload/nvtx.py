@@ -1,8 +1,8 @@
 """NVTX ranges for every offload and reload, named ``offload/<group label>`` and
 ``reload/<group label>`` (for example ``offload/core_attn/L3/mb2``), so an ``nsys`` timeline
-shows which copy belongs to which module. Uses the ``nvtx`` package when installed, else
-``torch.cuda.nvtx`` on CUDA builds, else nothing (a CPU build of torch raises on
-``torch.cuda.nvtx``)."""
+shows which copy belongs to which module. Uses the ``nvtx`` package when installed (nothing
+when no tool is attached), else ``torch.cuda.nvtx`` on CUDA builds, else nothing (a CPU build of
+torch raises on ``torch.cuda.nvtx``)."""
 
 from __future__ import annotations
 
@@ -22,12 +22,15 @@ def _noop_pop() -> None:
 def _pick() -> tuple[Callable[[str], None], Callable[[], None]]:
     try:
         import nvtx as _nvtx
-
-        return (lambda message: _nvtx.push_range(message, domain="offload")), (
-            lambda: _nvtx.pop_range(domain="offload")
-        )
     except ImportError:
         pass
+    else:
+        # What `nvtx.push_range(..., domain="offload")` looks up on every call, looked up once:
+        # a domain, or a dummy when no tool is attached (decided once per process either way).
+        domain = _nvtx.get_domain("offload")
+        if not isinstance(domain, _nvtx.Domain):
+            return _noop, _noop_pop
+        return (lambda message: domain.push_range(message=message, color="blue")), domain.pop_range
     if torch.cuda.is_available():
         return torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop
     return _noop, _noop_pop

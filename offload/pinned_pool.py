@@ -40,7 +40,7 @@ def size_class(nbytes: int) -> int:
 class HostBuffer:
     """One pinned buffer: a flat ``uint8`` tensor plus the event of its last reader."""
 
-    __slots__ = ("tensor", "nbytes", "last_read", "_mapping", "_registered", "_view", "_view_key")
+    __slots__ = ("tensor", "nbytes", "last_read", "_mapping", "_registered", "_view", "_view_dtype", "_view_numel")
 
     def __init__(self, tensor: torch.Tensor, mapping: Any, registered: bool) -> None:
         self.tensor = tensor
@@ -49,15 +49,16 @@ class HostBuffer:
         self._mapping = mapping
         self._registered = registered
         self._view: torch.Tensor | None = None
-        self._view_key: tuple[torch.dtype, int] | None = None
+        self._view_dtype: torch.dtype | None = None
+        self._view_numel = -1
 
     def view(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """The first ``numel`` elements of the buffer, as ``dtype`` (the last view is kept: a
         buffer is reused by tensors of the same shape step after step)."""
-        key = (dtype, numel)
-        if self._view_key != key:
+        if self._view_dtype is not dtype or self._view_numel != numel:
             self._view = self.tensor[: numel * dtype.itemsize].view(dtype)
-            self._view_key = key
+            self._view_dtype = dtype
+            self._view_numel = numel
         return self._view
 
 
@@ -86,7 +87,7 @@ class PinnedHostPool:
         torch 2.11, fail the capture), so every buffer a capture uses must exist before it, from
         an eager warm-up of the same region (see `offload.graphs`).
         """
-        cls = size_class(nbytes)
+        cls = _PAGE if nbytes <= _PAGE else size_class(nbytes)
         free = self._free.get(cls)
         if not free and capturing:  # a capture takes the smallest larger buffer rather than fail
             larger = [c for c, bufs in self._free.items() if bufs and c > cls]

@@ -27,6 +27,7 @@ import offload
 from conftest import CUDA_ONLY, reproducible, slow_side_streams
 from offload import OffloadError
 from offload.copy_queue import CopyQueue
+from offload.group import GroupState
 from offload.testing import GPT_MAPPING, build_gpt, first_difference, graph_pool_bytes
 
 pytestmark = [*CUDA_ONLY, pytest.mark.usefixtures("deterministic")]
@@ -189,13 +190,26 @@ def _assert_equal(got, ref):
     assert first_difference(ref[1], got[1]) is None
 
 
-def _assert_captured(manager, per_name):
-    """The graphs hold ``per_name`` groups of each name in `NAMES`, and every one of them copies
-    bytes out to pinned buffers (what each forward replay writes and its backward reads)."""
+def _assert_captured(manager, per_name, kept=None):
+    """The graphs hold ``per_name`` groups of each name in `NAMES`; ``kept`` of them (by name;
+    default one of each) stay on the GPU: those the forward graph captured last before a
+    backward had not copied yet (Note [C1] of offload.capture: its last group of each name,
+    and the one before it for a name whose copy waits for a next group that never opened in
+    that graph). Every other one copies bytes out to pinned buffers (what each forward replay
+    writes and its backward reads)."""
     captured = manager.captured_groups
     assert Counter(g.name for g in captured) == {name: per_name for name in NAMES}
+    held = [g for g in captured if g.state is GroupState.KEPT]
+    assert Counter(g.name for g in held) == (kept or {name: 1 for name in NAMES})
     for g in captured:
-        assert sum(rec.nbytes for rec in g.records if rec.host is not None) > 0, g.label
+        if g.state is not GroupState.KEPT:
+            assert g.state is GroupState.OFFLOADED, g
+            assert sum(rec.nbytes for rec in g.records if rec.host is not None) > 0, g.label
+
+
+# Graphs of two layers each: fc2 closes a layer last, so the graph's end finds the fc2 before
+# the last one still waiting for its copy (Note [7] of offload.copy_queue) and carries it too.
+KEPT_TWO_LAYER_GRAPH = {"core_attn": 1, "fc1": 1, "mlp_act": 1, "fc2": 2}
 
 
 def _count_captured_launches(monkeypatch):
@@ -229,8 +243,7 @@ def test_make_graphed_callables_bitwise(configure, offloading):
         offload.end_iteration()
     graphed = Graphed(model, 2)
     if offloading:
-        assert len(manager.captured_groups) == 2 * 2 * len(NAMES), dict(manager.stats.by_name)
-        assert sum(rec.nbytes for g in manager.captured_groups for rec in g.records if rec.host is not None) > 0
+        _assert_captured(manager, 2 * 2)
     calls = manager.hook_calls
     for seed in range(3):
         _assert_equal(graphed.step(_inputs(seed), ALL_FWD_THEN_BWD), refs[seed])
@@ -246,8 +259,8 @@ def test_ordered_graphs_1f1b_bitwise_and_buffers_hold_the_replay(configure):
     manager = configure(NAMES, device="cuda", min_tensor_bytes=1 << 16)
     offload.attach(model, GPT_MAPPING)
     graphs = OrderedGraphs(model, 2, ONE_F_ONE_B)
+    _assert_captured(manager, 2 * len(model.layers), KEPT_TWO_LAYER_GRAPH)  # microbatch 2's last groups
     captured = [g for g in manager.captured_groups if g.name == "mlp_act"]
-    assert len(captured) == 2 * len(model.layers)
     calls = manager.hook_calls
     for seed in range(3):
         data = _inputs(seed)
@@ -258,9 +271,11 @@ def test_ordered_graphs_1f1b_bitwise_and_buffers_hold_the_replay(configure):
             for i, layer in enumerate(ref_model.layers):
                 expected = layer.mlp.linear_fc1(layer.pre_mlp_layernorm(h + layer.self_attention(layer.input_layernorm(h))))
                 group = captured[m * len(model.layers) + i]
+                h = layer(h)
+                if group.state is GroupState.KEPT:
+                    continue
                 (rec,) = group.records
                 assert torch.equal(rec.host.view(rec.dtype, rec.numel).cuda(), expected.detach().flatten())
-                h = layer(h)
     assert manager.hook_calls == calls
 
 
@@ -296,11 +311,13 @@ def test_slowed_copy_streams_inside_the_capture(configure, monkeypatch):
     manager = configure(NAMES, device="cuda", min_tensor_bytes=1 << 16)
     offload.attach(model, GPT_MAPPING)
     graphs = OrderedGraphs(model, 2, ONE_F_ONE_B)
-    _assert_captured(manager, 2 * len(model.layers))
+    _assert_captured(manager, 2 * len(model.layers), KEPT_TWO_LAYER_GRAPH)
     graphed = Graphed(model, 2)
-    _assert_captured(manager, 2 * 2 * len(model.layers))  # the ordered graphs' groups, then these
+    _assert_captured(manager, 2 * 2 * len(model.layers),  # the ordered graphs' groups, then these
+                     {name: KEPT_TWO_LAYER_GRAPH[name] + 1 for name in NAMES})
     # every captured group's copy out, and copies back, were launched (slowed) under capture
-    assert launched["offload"] == len(manager.captured_groups) and launched["reload"] > 0
+    copied = [g for g in manager.captured_groups if g.state is GroupState.OFFLOADED]
+    assert launched["offload"] == len(copied) and launched["reload"] > 0
     for seed in range(5):
         data = _inputs(seed)
         ref = _reference(ref_model, data, ONE_F_ONE_B)
@@ -507,3 +524,32 @@ def test_error_pinned_allocation_during_capture(configure):
             raise AssertionError(f"no pinned allocation was attempted: {dict(manager.stats.by_name)}")
     assert "pinned host buffer" in _chain(info.value)
     offload.reset(release_pool=True)
+
+
+@pytest.mark.parametrize("per_graph", [1, 2])
+def test_several_layers_per_graph_with_slowed_copies_bitwise(configure, monkeypatch, per_graph):
+    """Graphed callables of ``per_graph`` layers each (4 layers, one microbatch), the copy
+    streams slowed: copies carried from one graph into the next (Note [C1]) and reloads issued
+    at the start of each backward graph (Note [C2]) stay exact over fresh inputs."""
+    slow_side_streams(monkeypatch)
+    model = _model(4)
+    ref_model = copy.deepcopy(model)
+    manager = configure(NAMES, device="cuda", min_tensor_bytes=1 << 16)
+    offload.attach(model, GPT_MAPPING)
+    layers = list(model.layers)
+    blocks = tuple(nn.Sequential(*layers[i:i + per_graph]) for i in range(0, len(layers), per_graph))
+    sample = tuple((torch.randn(SEQ, BATCH, HIDDEN, device="cuda", requires_grad=True),) for _ in blocks)
+    fns = offload.graphs.make_graphed_callables(blocks, sample)
+    _assert_captured(manager, len(layers), KEPT_TWO_LAYER_GRAPH if per_graph == 2 else None)
+    prefetched = sum(s.reloads_prefetched for s in manager.stats.by_name.values())
+    assert prefetched > 0, "the backward graphs reload before they need the data"
+    for seed in range(3):
+        data = _inputs(seed, microbatches=1)
+        ref = _reference(ref_model, data, [1, -1])
+        model.zero_grad(set_to_none=True)
+        x = data[0][0].clone().requires_grad_(True)
+        h = x
+        for fn in fns:
+            h = fn(h)
+        h.backward(data[0][1])
+        _assert_equal(([h.detach()], _grads(model, [x])), ref)

@@ -103,7 +103,9 @@ def _control() -> int:
     return 1
 
 
-def _steps() -> int:
+def _steps(regions: bool = False) -> int:
+    """Offloading steps under the sanitizer; with ``regions``, each layer runs as an
+    ``offload.graphs`` graphed-callable region, eagerly: the warm-up that plans a capture."""
     import collections
     import copy
 
@@ -146,6 +148,15 @@ def _steps() -> int:
 
     manager = offload.configure(NAMES, device="cuda", min_tensor_bytes=1024)
     offload.attach(model, GPT_MAPPING)
+    if regions:  # the model's forward through per-layer regions (same modules, same parameters)
+        fns = [offload.graphs._as_region(layer, ("layer", i)) for i, layer in enumerate(model.layers)]
+
+        def forward(h):
+            for fn in fns:
+                h = fn(h)
+            return model.final_layernorm(h)
+
+        model.forward = forward
     d2h, h2d = manager.streams.d2h.cuda_stream, manager.streams.h2d.cuda_stream
 
     monkeypatch = pytest.MonkeyPatch()
@@ -187,7 +198,10 @@ def _steps() -> int:
     if kernels[d2h] == 0 or kernels[h2d] == 0:
         print(f"SANITIZER-FAIL: the sanitizer saw no copy on a copy stream: {summary}", flush=True)
         return 1
-    print(f"SANITIZER-OK steps={PLAIN_STEPS + SLOW_STEPS} {summary}", flush=True)
+    if regions and not manager.captures.plans:
+        print("SANITIZER-FAIL: no region ran", flush=True)
+        return 1
+    print(f"SANITIZER-OK {'regions ' if regions else ''}steps={PLAIN_STEPS + SLOW_STEPS} {summary}", flush=True)
     return 0
 
 
@@ -232,8 +246,12 @@ def test_sanitizer_reports_a_deliberate_race():
 
 
 @requires_cuda
-def test_offloading_steps_are_race_free_under_the_sanitizer():
-    proc = _run_sanitized("steps")
+@pytest.mark.parametrize("mode", ["steps", "regions"])
+def test_offloading_steps_are_race_free_under_the_sanitizer(mode):
+    """``steps``: eager offloading steps. ``regions``: the same steps with every layer an
+    ``offload.graphs`` region run eagerly, the warm-up whose plan a capture repeats (a capture
+    itself runs no kernel the sanitizer could see)."""
+    proc = _run_sanitized(mode)
     report = _report(proc.stdout, proc.stderr)
     assert "CSAN detected" not in proc.stderr, f"the sanitizer reported a race{report}"
     assert proc.returncode == 0, f"sanitized steps exited with {proc.returncode}{report}"
@@ -243,6 +261,6 @@ def test_offloading_steps_are_race_free_under_the_sanitizer():
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2 or sys.argv[1] not in ("control", "steps"):
-        raise SystemExit(f"usage: TORCH_CUDA_SANITIZER=1 {sys.argv[0]} control|steps")
-    sys.exit(_control() if sys.argv[1] == "control" else _steps())
+    if len(sys.argv) != 2 or sys.argv[1] not in ("control", "steps", "regions"):
+        raise SystemExit(f"usage: TORCH_CUDA_SANITIZER=1 {sys.argv[0]} control|steps|regions")
+    sys.exit(_control() if sys.argv[1] == "control" else _steps(regions=sys.argv[1] == "regions"))

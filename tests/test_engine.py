@@ -416,6 +416,27 @@ def test_copy_in_pieces_covers_every_element():
         assert torch.equal(dst, src), chunk_bytes
 
 
+def test_host_copy_is_a_copy_of_the_span():
+    """The CPU fallback's copy (a byte copy where that is the same) writes what `copy_in_pieces`
+    of the span writes: offsets, strided sources, pieces, conjugate and negative views; a span
+    past a shrunk storage raises as the view would."""
+    from offload.streams import _host_copy, _span, copy_in_pieces
+
+    base = torch.arange(40, dtype=torch.float32)
+    cases = [(base, 0, 40, 0), (base, 5, 30, 0), (base.view(4, 10)[:, 2:], 2, 36, 0), (base, 3, 20, 16),
+             (torch._neg_view(base), 4, 10, 0), (torch.randn(6, dtype=torch.complex64).conj(), 1, 4, 0)]
+    for src, start, numel, chunk_bytes in cases:
+        expected = torch.empty(numel, dtype=src.dtype)
+        copy_in_pieces(expected, _span(src, start, numel), chunk_bytes)
+        got = torch.full((numel,), float("nan"), dtype=src.dtype)
+        _host_copy(got, src, start, chunk_bytes)
+        assert torch.equal(got, expected), (start, numel, chunk_bytes)
+    shrunk = torch.arange(8, dtype=torch.float32)
+    shrunk.untyped_storage().resize_(0)
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        _host_copy(torch.empty(8), shrunk, 0, 0)
+
+
 @pytest.mark.parametrize("chunk_bytes", [0, 64, 1000])
 def test_copies_in_pieces_keep_gradients_bitwise(configure, chunk_bytes):
     model = build_gpt(64, 4, 3)

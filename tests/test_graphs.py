@@ -60,49 +60,106 @@ def setup(configure):
     return model.layers[0], ref.layers[0], manager
 
 
-def test_captured_region_offloads_everything_at_close_and_owns_its_buffers(setup):
-    layer, ref_layer, manager = setup
+@pytest.fixture
+def stack(configure):
+    """Three layers, each its own graphed callable (``offload.graphs`` regions with edges),
+    and an untouched copy of them."""
+    model = build_gpt(32, 4, 3)
+    ref = copy.deepcopy(model)
+    manager = configure(NAMES)
+    offload.attach(model, GPT_MAPPING)
+    regions = [offload.graphs._as_region(layer, ("L", i)) for i, layer in enumerate(model.layers)]
+    return model, ref, regions, manager
+
+
+def _stack_step(model, fns, x, g, capture=None):
+    """Forward through ``fns`` then backward; with ``capture`` (a manager), each forward and
+    the backward is "captured" into a graph of its own, in the order torch's
+    make_graphed_callables captures them. Returns output and gradients."""
+    model.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_(True)
+    h = x
+    for i, fn in enumerate(fns):
+        if capture is not None:
+            _capturing(capture, Graph(f"fwd{i}"))
+        h = fn(h)
+    if capture is not None:
+        _capturing(capture, Graph("bwd"))
+    h.backward(g)
+    if capture is not None:
+        _capturing(capture, None)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads["<input>"] = x.grad.clone()
+    return h.detach(), grads
+
+
+def test_captured_regions_carry_their_last_groups_to_the_next_graph(stack):
+    """Note [C1]: a region's capture hands its last groups to the next capture. The next
+    forward region copies them at its start and frees them at its end; the backward that
+    follows the last region keeps that region's on the GPU. Buffers come from the warm-up's
+    and stay the graphs' until `release_graphs`; gradients are exact."""
+    model, ref, regions, manager = stack
     x, g = seeded_pair(0, 8, 2, 32)
-    _step(layer, x, g, key="L0")  # eager warm-up: the plan
+    _stack_step(model, regions, x, g)  # eager warm-up: the plans
     offload.end_iteration()
-    assert [s[0] for s in manager.captures.plans["L0"]] == NAMES
     allocations = manager.pool.allocations
-
-    fwd, bwd = Graph("fwd"), Graph("bwd")
-    _capturing(manager, fwd)
+    model.zero_grad(set_to_none=True)
     xc = x.detach().requires_grad_(True)
-    with offload.graphs.region("L0"):
-        out = layer(xc)
-        groups = [grp for h in manager.order.handlers if h.capture is not None for grp in h.groups]
-        assert [grp.name for grp in groups] == NAMES
-    assert all(grp.state is GroupState.OFFLOADED for grp in groups), "the region's end offloads all"
-    assert not manager.copies.inflight, "the region's end joins every copy"
-    assert manager.pool.allocations == allocations, "a capture takes its buffers from the warm-up's"
-    _capturing(manager, bwd)
-    layer.zero_grad(set_to_none=True)
-    out.backward(g)
-    offload.graphs.join()
+    _capturing(manager, Graph("fwd0"))
+    h = regions[0](xc)
+    (first,) = [hd for hd in manager.captures._graph_handlers]
+    assert [grp.state for grp in first.groups] == [GroupState.PENDING] * len(NAMES), "carried, not copied"
+    assert not manager.copies.inflight
+    _capturing(manager, Graph("fwd1"))
+    h = regions[1](h)
+    assert all(grp.state is GroupState.OFFLOADED for grp in first.groups), "copied and freed by the next graph"
+    _capturing(manager, Graph("fwd2"))
+    h = regions[2](h)
+    *_, second, third = manager.captures._graph_handlers
+    assert all(grp.state is GroupState.OFFLOADED for grp in second.groups)
+    assert all(grp.state is GroupState.PENDING for grp in third.groups)
+    _capturing(manager, Graph("bwd"))
+    h.backward(g)
     _capturing(manager, None)
-
-    ref_out, ref = _step(ref_layer, x, g)
-    assert torch.equal(out.detach(), ref_out)
-    got = {n: p.grad for n, p in layer.named_parameters()}
+    assert all(grp.state is GroupState.KEPT for grp in third.groups), "its own backward came next"
+    assert manager.pool.allocations == allocations, "a capture takes its buffers from the warm-up's"
+    ref_out, ref_grads = _stack_step(ref, list(ref.layers), x, g)
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     got["<input>"] = xc.grad
-    assert first_difference(ref, got) is None
+    assert torch.equal(h.detach(), ref_out)
+    assert first_difference(ref_grads, got) is None
 
-    captured = manager.captured_groups
-    assert [grp.name for grp in captured] == NAMES
-    buffers = {id(rec.host) for grp in captured for rec in grp.records if rec.host is not None}
-    assert buffers, "the graph keeps its pinned buffers after its backward"
-    offload.end_iteration()
-    _step(layer, *seeded_pair(1, 8, 2, 32), key="L0")  # an eager step after the capture cannot take them
+    stats = offload.end_iteration()
+    assert stats.by_name["core_attn"].groups_kept == 1
+    assert stats.by_name["core_attn"].reloads_prefetched == 2, "each region's backward reloads at its start"
+    assert stats.by_name["core_attn"].reloads_on_demand == 0
+    buffers = {id(rec.host) for grp in manager.captured_groups for rec in grp.records if rec.host is not None}
+    assert buffers, "the graphs keep their pinned buffers after their backward"
+    _stack_step(model, regions, *seeded_pair(1, 8, 2, 32))  # an eager step after the capture cannot take them
     offload.end_iteration()
     assert buffers == {id(rec.host) for grp in manager.captured_groups for rec in grp.records if rec.host is not None}
     assert manager.pool.allocations > allocations
-
     manager.captures.release_graphs()
     assert manager.captured_groups == []
     assert manager.pool.bytes_in_use == 0
+
+
+def test_carried_groups_are_kept_when_eager_code_follows(stack):
+    """A region captured alone, then eager code: what it carried stays on the GPU, in the
+    graph's pool (no copy of a graph's memory is issued outside the graph)."""
+    model, _, regions, manager = stack
+    x, g = seeded_pair(0, 8, 2, 32)
+    _stack_step(model, regions, x, g)
+    offload.end_iteration()
+    _capturing(manager, Graph("fwd0"))
+    out = regions[0](x.detach().requires_grad_(True))
+    _capturing(manager, None)
+    (handler,) = manager.captures._graph_handlers
+    offload.end_iteration()
+    assert all(grp.state is GroupState.KEPT for grp in handler.groups)
+    assert not manager.copies.inflight and not manager.copies.deferred
+    del out
+    offload.reset(release_pool=True)
 
 
 def test_changed_shape_under_capture_raises(setup):
@@ -178,9 +235,10 @@ def test_capture_starts_clean_from_an_eager_forward(setup):
     offload.reset(release_pool=True)
 
 
-def test_no_prefetch_across_graphs(setup):
-    """Two layers captured into two forward graphs: the backward of the second must not
-    prefetch the first's tensors (its events belong to another graph)."""
+def test_no_prefetch_across_graphs_without_edges(setup):
+    """Two layers captured into two forward graphs by bare regions (no graphed-callable edges):
+    the backward of the second does not prefetch the first's tensors (a reload issued in one
+    graph would have to be joined there), and the first's groups were copied by the second."""
     layer, _, manager = setup
     other = build_gpt(32, 4, 2).layers[1]
     offload.attach(torch.nn.ModuleList([other]), {"core_attn": "0.self_attention.core_attention"})
@@ -201,10 +259,12 @@ def test_no_prefetch_across_graphs(setup):
         out = other(h)
     _capturing(manager, bwd)
     out.backward(g)
+    offload.graphs.join()
     _capturing(manager, None)
     stats = offload.end_iteration()
+    assert stats.by_name["core_attn"].groups_kept == 1  # B's, whose backward came next
     assert stats.by_name["core_attn"].reloads_prefetched == 0
-    assert stats.by_name["core_attn"].reloads_on_demand == 2
+    assert stats.by_name["core_attn"].reloads_on_demand == 1  # A's
 
 
 def test_capture_takes_a_larger_free_buffer_rather_than_allocate():

@@ -14,7 +14,7 @@ run() { local name=$1; shift; local t0=$(date +%s); "$@" > "$OUT/$name.log" 2>&1
         echo "$name rc=$rc $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/$name.log")" | tee -a "$OUT/summary.txt"; }
 run graphs_tests python3 -m pytest -q -m cuda tests/test_cuda_graphs.py -p no:cacheprovider
 run engine_tests python3 -m pytest -q -m cuda tests/test_cuda.py tests/test_cuda_pipeline.py -p no:cacheprovider
-run host_time python3 benchmarks/graphs_host_time.py --out "$OUT"
+run graphs_bench python3 benchmarks/graphs.py --out "$OUT"
 if [ "${AB:-1}" = 1 ]; then
     run ab_chunk16 python3 benchmarks/peers.py --sizes moe-l --configs offload:core_attn offload:expert_fc1 --no-sweep --out "$OUT/ab16"
     run ab_chunk0 python3 benchmarks/peers.py --sizes moe-l --configs offload:core_attn offload:expert_fc1 --no-sweep --copy-chunk-bytes 0 --out "$OUT/ab0"

@@ -187,16 +187,21 @@ def find_modules(chunk: nn.Module) -> ChunkModules:
     found = ChunkModules()
     add = lambda name, qn: found.modules.setdefault(name, []).append(qn)  # noqa: E731
     why: dict[str, str] = {}
+
+    def norm(layer: nn.Module, p: str, name: str, attr: str, fused_into: str, instead: str) -> None:
+        """The norm ``attr`` of ``layer`` as ``name``, or why there is none (a TE spec fuses it)."""
+        if _real(getattr(layer, attr, None)):
+            add(name, p + attr)
+        else:
+            why[name] = (f"{attr} is an IdentityOp: the norm is fused into {fused_into} "
+                         f"(Transformer Engine spec); offload {instead} instead")
+
     for qn, layer in chunk.named_modules():
         if not isinstance(layer, TransformerLayer):
             continue
         found.num_layers += 1
         p = f"{qn}." if qn else ""
-        if _real(getattr(layer, "input_layernorm", None)):
-            add("attn_norm", p + "input_layernorm")
-        else:
-            why["attn_norm"] = ("input_layernorm is an IdentityOp: the norm is fused into "
-                                "linear_qkv (Transformer Engine spec); offload qkv_linear instead")
+        norm(layer, p, "attn_norm", "input_layernorm", "linear_qkv", "qkv_linear")
         attn = getattr(layer, "self_attention", None)
         if _real(attn):
             a = p + "self_attention."
@@ -209,11 +214,7 @@ def find_modules(chunk: nn.Module) -> ChunkModules:
                 add("core_attn", a + "core_attention")
             if _real(getattr(attn, "linear_proj", None)):
                 add("attn_proj", a + "linear_proj")
-        if _real(getattr(layer, "pre_mlp_layernorm", None)):
-            add("mlp_norm", p + "pre_mlp_layernorm")
-        else:
-            why["mlp_norm"] = ("pre_mlp_layernorm is an IdentityOp: the norm is fused into "
-                               "mlp.linear_fc1 (Transformer Engine spec); offload fc1 instead")
+        norm(layer, p, "mlp_norm", "pre_mlp_layernorm", "mlp.linear_fc1", "fc1")
         mlp = getattr(layer, "mlp", None)
         if not _real(mlp):
             continue

@@ -20,7 +20,7 @@ from typing import Any
 
 from .advisor import DEFAULT_FREE_COST_PCT, DEFAULT_HEADROOM, advise
 from .bandwidth import Bandwidth
-from .report import GIB, gib, md_table, mib, read_json, write_json
+from .report import GIB, gib, md_table, mib, publish, read_json
 
 
 def table(advice: dict[str, Any]) -> str:
@@ -106,9 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
     advice["inputs"] = {"profile": args.profile, "bandwidth": args.bandwidth, "link_gbps": args.link_gbps}
-    write_json(args.out, advice)
-    print(render(advice))
-    print(f"results: {args.out}", file=sys.stderr)
+    publish(args.out, advice, render(advice))
     return 0
 
 

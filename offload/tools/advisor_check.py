@@ -31,7 +31,7 @@ import offload
 
 from .advisor import Model
 from .bandwidth import Bandwidth
-from .report import gib, md_table, read_json, write_json
+from .report import gib, md_table, publish, read_json
 from .workload import Workload, build_workload, describe_device
 
 
@@ -207,9 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     profile = read_json(args.profile, "--profile")
     advice = read_json(args.advice, "--advice")
     result = check(profile, advice, args.steps, args.warmup, args.peak_tolerance, args.free_cost_pct)
-    write_json(args.out, result)
-    print(render(result))
-    print(f"results: {args.out}", file=sys.stderr)
+    publish(args.out, result, render(result))
     return 0 if result["passed"] else 1
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .report import md_table, read_json, write_json
+from .report import md_table, publish, read_json
 
 DIRECTIONS = ("d2h", "h2d", "both")
 DEFAULT_SIZES_MIB = [0.25, 1, 4, 16, 64, 256, 1024]
@@ -216,9 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                             "records": records}
     if not args.no_slowdown:
         data["compute_slowdown"] = measure_slowdown(device)
-    write_json(args.out, data)
-    print(f"# Copy bandwidth, {data['device']}\n\n{table(data)}")
-    print(f"results: {args.out}", file=sys.stderr)
+    publish(args.out, data, f"# Copy bandwidth, {data['device']}\n\n{table(data)}")
     return 0
 
 

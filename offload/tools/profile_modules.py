@@ -33,7 +33,7 @@ import torch
 from ..config import DEFAULT_MIN_TENSOR_BYTES
 from ..policy import TensorPolicy
 from .boundaries import Boundaries
-from .report import gib, md_table, mib, write_json
+from .report import gib, md_table, mib, publish
 from .workload import Workload, add_workload_args, build_workload, describe_device, spec_from_args
 
 OTHER = "(other)"
@@ -279,9 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         warnings.simplefilter("ignore", RuntimeWarning)
         prof = profile(work, spec, args.steps, args.warmup, args.time_steps, mtb)
     prof["command"] = "python -m offload.tools.profile_modules " + " ".join(argv if argv is not None else sys.argv[1:])
-    write_json(args.out, prof)
-    print(summary(prof))
-    print(f"results: {args.out}", file=sys.stderr)
+    publish(args.out, prof, summary(prof))
     return 0
 
 

@@ -1,8 +1,10 @@
-"""Small output helpers shared by the tools: Markdown tables, byte formatting, JSON files."""
+"""Small output helpers shared by the tools: Markdown tables, byte formatting, JSON files and
+the results a tool writes."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -42,6 +44,14 @@ def write_json(path: str | Path, data: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
     return path
+
+
+def publish(path: str | Path, data: Any, text: str) -> None:
+    """A tool's last step: write ``data`` to the JSON file ``path``, print the report ``text``,
+    and say on stderr where the results are."""
+    write_json(path, data)
+    print(text)
+    print(f"results: {path}", file=sys.stderr)
 
 
 def read_json(path: str | Path, what: str) -> Any:
