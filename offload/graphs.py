@@ -13,12 +13,14 @@ What this needs, and what this module provides:
   used stay in the pool. Under capture the same groups must come (else `OffloadError`: the
   shape or group structure changed), and every buffer must come from the pool (a pinned
   allocation during capture raises `OffloadError`).
-* **Nothing pending across a graph's edge.** Under capture a group's copy starts when the next
-  group of its name closes, as in eager mode (by then what the module's caller still held is
-  gone), and the region's end starts the last ones and joins every copy into the capturing
-  stream (`join`): the last-layer rule does not apply, since a graph is replayed in many
-  schedules. A reload is prefetched only from the same forward capture, and an event recorded
-  in one capture is never waited on in another: graph replay order orders the rest.
+* **Copies that run under the next graph.** A capture must join what it forked before it ends,
+  so a region's capture joins only the copies it issued and carries the groups it has not
+  copied yet to the next capture: a forward region copies them under its compute and frees
+  them at its end; a backward keeps them (the last-layer rule). A graphed callable's backward
+  graph reloads its groups at its start and joins the reloads at its end, through identity
+  autograd nodes on the callable's outputs and inputs. An event recorded in one capture is
+  never waited on in another: graphs that share a pool replay in capture order. (Notes [C1]
+  and [C2] of `offload.capture`.)
 * **Buffers owned by graphs.** A captured group's pinned buffers never return to the pool
   (every replay writes them); `CaptureSessions.release_graphs` gives them back once the
   graphs are gone.
@@ -51,7 +53,9 @@ _region_ids = itertools.count()
 def region(key: Any) -> Iterator[None]:
     """A graphable region named ``key``: run eagerly, it records its plan (the groups it
     offloads and their sizes); under capture, it checks the capture against that plan and, at
-    its end, joins every copy it forked into the capturing stream (so the capture can end)."""
+    its end, joins the copies it issued into the capturing stream (so the capture can end) and
+    carries the groups it has not copied yet to the next capture (Note [C1] of
+    `offload.capture`)."""
     manager = PipelineOffloadManager.get()
     manager.captures.enter_region(key)
     try:
@@ -180,9 +184,9 @@ def make_graphed_callables(
 ) -> Any:
     """``torch.cuda.make_graphed_callables`` with offloading captured in the graphs.
 
-    Each callable becomes a region (its forward graph joins its copies before its capture
-    ends); ``num_warmup_iters`` eager passes in capture order (our warm-up; the API runs one
-    of its own) record the regions' plans and size the pinned pool; then ``graph_api`` (default
+    Each callable becomes a region whose copies run under the next graph and whose backward
+    graph reloads at its start (Notes [C1], [C2] of `offload.capture`); ``num_warmup_iters``
+    eager passes in capture order (our warm-up; the API runs one of its own) record the regions' plans and size the pinned pool; then ``graph_api`` (default
     ``torch.cuda.make_graphed_callables``; pass
     ``transformer_engine.pytorch.make_graphed_callables`` for TE) captures them, with
     ``graph_kwargs`` passed through. Returns what ``graph_api`` returns, for the wrapped

@@ -260,9 +260,7 @@ class OffloadGroup:
         """OFFLOADING -> OFFLOADED: drop the GPU references of records whose D2H copy is done
         (the caller made sure: an event query, or the compute stream waits on ``d2h_done``)."""
         for rec in self.records:
-            src = rec.src
-            if src is not None and rec.host is not None:
-                if src._version != rec.version:  # changed before its copy read it (`note_version`)
-                    rec.modified = True
+            if rec.src is not None and rec.host is not None:
+                rec.note_version()
                 rec.src = None
         self.advance(GroupState.OFFLOADED)

@@ -2,8 +2,8 @@
 
 The real captures run in tests/test_cuda_graphs.py on the GPU; here the engine is told that a
 capture is in progress (``is_capturing`` returns True) so that the decisions it takes then
-(offload at close, no prefetch across graphs, plans, joins, graph-owned buffers, errors) are
-checked on every machine.
+(copies carried to the next graph, reloads at a backward graph's start, plans, joins,
+graph-owned buffers, errors) are checked on every machine.
 """
 
 from __future__ import annotations
