@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from offload.testing import GPT_MAPPING, GPTLayerStack, GeLU, LIGHT_MODULES, SelfAttention
+from offload.testing import GPT_MAPPING, MLP, GPTLayerStack, LIGHT_MODULES, SelfAttention
 
 MOE_MAPPING: dict[str, str] = {
     "attn_norm": "layers.*.input_layernorm",
@@ -37,19 +37,6 @@ MOE_LIGHT_MODULES = ("layers.*.input_layernorm", "layers.*.pre_mlp_layernorm", "
 `offload.testing.LIGHT_MODULES` are for the GPT stack."""
 
 
-class Expert(nn.Module):
-    """One expert: ``linear_fc2(gelu(linear_fc1(x)))``."""
-
-    def __init__(self, hidden: int, ffn: int) -> None:
-        super().__init__()
-        self.linear_fc1 = nn.Linear(hidden, ffn)
-        self.activation = GeLU()
-        self.linear_fc2 = nn.Linear(ffn, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(self.activation(self.linear_fc1(x)))
-
-
 class MoE(nn.Module):
     """Top-k token-choice routing over ``experts`` separate experts, without token dropping."""
 
@@ -59,7 +46,7 @@ class MoE(nn.Module):
             raise ValueError(f"top_k must be in [1, experts], got {top_k} of {experts}")
         self.top_k = top_k
         self.router = nn.Linear(hidden, experts, bias=False)
-        self.experts = nn.ModuleList(Expert(hidden, ffn) for _ in range(experts))
+        self.experts = nn.ModuleList(MLP(hidden, ffn) for _ in range(experts))  # linear_fc2(gelu(linear_fc1(x)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

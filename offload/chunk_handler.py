@@ -133,20 +133,24 @@ class ChunkOffloadHandler:
         """The live record covering this span of this storage, or a new one owned by ``group``."""
         dtype = t.dtype
         version = t._version
-        alive = []
-        for rec in self._by_storage.get(ptr, ()):
+        records = self._by_storage.get(ptr)
+        if records is None:
+            records = self._by_storage[ptr] = []
+        stale = False
+        for rec in records:
             # Only a storage that provably still exists: the allocator hands a freed address out
             # again (layer after layer), and a record of a storage that is gone can never match
-            # again (it is dropped, so it does not make every lookup longer).
-            if rec.storage_alive():
-                if rec.dtype is dtype and rec.covers(version, start, numel):
-                    if rec.group is not group:
-                        self._share(rec, group)
-                    return rec
-                alive.append(rec)
+            # again (it is dropped on the next miss, so it does not make every lookup longer).
+            if not rec.storage_alive():
+                stale = True
+            elif rec.dtype is dtype and rec.covers(version, start, numel):
+                if rec.group is not group:
+                    self._share(rec, group)
+                return rec
+        if stale:
+            records[:] = [rec for rec in records if rec.storage_alive()]
         rec = TensorRecord(group, t, ptr, start, numel, version, itemsize)
-        alive.append(rec)
-        self._by_storage[ptr] = alive
+        records.append(rec)
         group.records.append(rec)
         return rec
 

@@ -36,6 +36,7 @@ reaches the hooks, so nothing is offloaded there (see docs/graphs.md).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 from typing import Any, Callable, Iterator, Sequence
 
@@ -126,30 +127,69 @@ def _run_region(fn: Callable, key: Any, args: tuple) -> Any:
 
 
 class _RegionModule(torch.nn.Module):
-    """A module whose forward is a region; what `make_graphed_callables` graphs."""
+    """A module whose forward is a region; what `make_graphed_callables` graphs. With several
+    ``keys``, its calls take them in turn: the k-th forward pass of one callable (its k-th
+    microbatch, in Transformer Engine's ``_order``) is a region of its own."""
 
-    def __init__(self, module: torch.nn.Module, key: Any) -> None:
+    def __init__(self, module: torch.nn.Module, keys: Sequence[Any]) -> None:
         super().__init__()
         self.module = module
-        self.key = key
+        self.keys = tuple(keys)
+        self._next = 0
 
     def forward(self, *args: Any) -> Any:
-        return _run_region(self.module, self.key, args)
+        key = self.keys[self._next]
+        self._next = (self._next + 1) % len(self.keys)
+        return _run_region(self.module, key, args)
 
 
-def _as_region(fn: Callable, key: Any) -> Callable:
+def _as_region(fn: Callable, key: Any, passes: int = 1) -> Callable:
+    """``fn`` as a region named ``key`` (with ``passes`` > 1: the regions ``(key, 0)``,
+    ``(key, 1)``, ... for its successive calls, in turn)."""
+    keys = [key] if passes == 1 else [(key, k) for k in range(passes)]
     if isinstance(fn, torch.nn.Module):
-        return _RegionModule(fn, key)
+        return _RegionModule(fn, keys)
+    calls = itertools.cycle(keys)
 
     def run(*args: Any) -> Any:
-        return _run_region(fn, key, args)
+        return _run_region(fn, next(calls), args)
 
     return run
 
 
+def _forward_passes(order: Sequence[float], callables: int, samples: int,
+                   layers_per_chunk: Sequence[int] | int | None = None) -> tuple[list[int], int]:
+    """Transformer Engine's ``_order`` (1-based model chunks, ``+c`` a forward of chunk c, ``-c``
+    its backward; a fractional entry is a weight-gradient pass) read as forward passes: the
+    index into ``callables`` of each forward pass, in the order of ``sample_args`` (chunk by
+    chunk, microbatch by microbatch, layer by layer, as TE lays them out), and the number of
+    microbatches. Raises `OffloadError` where the counts do not add up."""
+    forwards = [int(c) for c in order if c > 0 and int(c) == c]
+    backwards = [c for c in order if c < 0 and int(c) == c]
+    chunks = max(forwards, default=0)
+    if not chunks or len(forwards) != len(backwards) or len(forwards) % chunks:
+        raise OffloadError(f"offload: _order {list(order)} is not a forward and a backward of each "
+                           "model chunk per microbatch")
+    microbatches = len(forwards) // chunks
+    if layers_per_chunk is None:
+        layers_per_chunk = callables // chunks
+    if isinstance(layers_per_chunk, int):
+        layers_per_chunk = [layers_per_chunk] * chunks
+    if len(layers_per_chunk) != chunks or sum(layers_per_chunk) != callables \
+            or callables * microbatches != samples:
+        raise OffloadError(
+            f"offload: _order has {chunks} model chunk(s) and {microbatches} microbatch(es): "
+            f"{callables} callables in chunks of {list(layers_per_chunk)} layers need "
+            f"{callables * microbatches} sample_args tuples (got {samples})")
+    first = list(itertools.accumulate([0, *layers_per_chunk]))
+    passes = [first[c] + layer for c in range(chunks) for _ in range(microbatches)
+              for layer in range(layers_per_chunk[c])]
+    return passes, microbatches
+
+
 def _prepare(callables: Sequence[Callable], sample_args: Sequence[tuple], iterations: int) -> None:
-    """The warm-up, ours rather than the graph API's: ``iterations`` eager passes in the order
-    the captures will run (every forward, then every backward in reverse) on a side stream, as
+    """The warm-up, ours rather than the graph API's: ``iterations`` eager passes over the
+    forward passes (every forward, then every backward in reverse) on a side stream, as
     torch's own warm-up does. Each region records its plan, the pinned pool ends up holding a
     buffer for every group all the captures offload, and every handler is retired before the
     first capture."""
@@ -186,25 +226,55 @@ def make_graphed_callables(
 
     Each callable becomes a region whose copies run under the next graph and whose backward
     graph reloads at its start (Notes [C1], [C2] of `offload.capture`); ``num_warmup_iters``
-    eager passes in capture order (our warm-up; the API runs one of its own) record the regions' plans and size the pinned pool; then ``graph_api`` (default
-    ``torch.cuda.make_graphed_callables``; pass
+    eager passes (our warm-up; the API runs one of its own) record the regions' plans and size
+    the pinned pool; then ``graph_api`` (default ``torch.cuda.make_graphed_callables``; pass
     ``transformer_engine.pytorch.make_graphed_callables`` for TE) captures them, with
-    ``graph_kwargs`` passed through. Returns what ``graph_api`` returns, for the wrapped
-    callables (call those, not the originals). Modules must not carry hooks of their own at
-    the top (PyTorch refuses them); groups attached to submodules are what offloading uses.
+    ``graph_kwargs`` passed through. With TE's ``_order`` (per-microbatch graphs in pipeline
+    order, as Megatron builds them), each callable's run for each microbatch is a region of
+    its own (`_forward_passes`); the captures then follow ``_order``, and so must the replays.
+    Where the API takes a ``pre_warmup_hook`` (TE's), our warm-up runs in it, so under the
+    autocast TE wraps the callables in (FP8 saves other tensors than bf16 does). Returns what
+    ``graph_api`` returns, for the wrapped callables (call those, not the originals). Modules
+    must not carry hooks of their own at the top (PyTorch refuses them); groups attached to
+    submodules are what offloading uses.
     """
     single = callable(callables) and not isinstance(callables, (tuple, list))
     fns = (callables,) if single else tuple(callables)
     args = (sample_args,) if single else tuple(sample_args)
-    if len(fns) != len(args):
-        raise OffloadError(f"offload: {len(fns)} callables but {len(args)} sample_args tuples")
     if not torch.cuda.is_available():
         raise OffloadError("offload: CUDA graphs need a CUDA device")
+    order = graph_kwargs.get("_order")
+    if order is None:
+        if len(fns) != len(args):
+            raise OffloadError(f"offload: {len(fns)} callables but {len(args)} sample_args tuples")
+        passes, microbatches = list(range(len(fns))), 1
+    else:  # TE: each callable runs once per microbatch, and each run is a region of its own
+        passes, microbatches = _forward_passes(order, len(fns), len(args),
+                                              graph_kwargs.get("_num_layers_per_chunk"))
     base = next(_region_ids)
-    wrapped = tuple(_as_region(fn, ("graphed", base, i)) for i, fn in enumerate(fns))
+    wrapped = tuple(_as_region(fn, ("graphed", base, i), microbatches) for i, fn in enumerate(fns))
     api = graph_api if graph_api is not None else torch.cuda.make_graphed_callables
     own_api = api is torch.cuda.make_graphed_callables
-    _prepare(wrapped, args, graph_kwargs.pop("num_warmup_iters", 3))
+    iterations = graph_kwargs.pop("num_warmup_iters", 3)
+
+    def warm_up() -> None:
+        _prepare([wrapped[i] for i in passes], args, iterations)
+
+    try:
+        takes_hook = "pre_warmup_hook" in inspect.signature(api).parameters
+    except (TypeError, ValueError):  # a callable without a signature Python can read
+        takes_hook = False
+    if takes_hook:
+        user_hook = graph_kwargs.pop("pre_warmup_hook", None)
+
+        def pre_warmup_hook() -> None:
+            if user_hook is not None:
+                user_hook()
+            warm_up()
+
+        graph_kwargs["pre_warmup_hook"] = pre_warmup_hook
+    else:
+        warm_up()
     # torch's API needs no warm-up after ours; Transformer Engine's records per-callable state
     # in its own (its handlers are retired when the first capture begins).
     return api(wrapped[0] if single else wrapped, args[0] if single else args,

@@ -162,6 +162,34 @@ def test_carried_groups_are_kept_when_eager_code_follows(stack):
     offload.reset(release_pool=True)
 
 
+def test_te_order_read_as_forward_passes():
+    """TE's ``_order`` for two model chunks of two layers and two microbatches: the callable
+    of each forward pass in ``sample_args`` order (chunk, then microbatch, then layer)."""
+    passes = offload.graphs._forward_passes
+    assert passes([1, 2, -2, 1, -1, 2, -2, -1], 4, 8) == ([0, 1, 0, 1, 2, 3, 2, 3], 2)
+    assert passes([1, 2, -2, 1, -1, 2, -2, -1], 3, 6, [1, 2]) == ([0, 0, 1, 2, 1, 2], 2)
+    assert passes([1, -1, 1, -1, 1, -1], 2, 6) == ([0, 1, 0, 1, 0, 1], 3)
+    assert passes([1, 1, -1, -0.5, -1, -0.5], 1, 2) == ([0, 0], 2), "wgrad entries are not passes"
+    with pytest.raises(OffloadError, match="need 8 sample_args tuples"):
+        passes([1, 2, -2, 1, -1, 2, -2, -1], 4, 6)
+    with pytest.raises(OffloadError, match=r"chunks of \[1, 1\] layers"):
+        passes([1, 2, -2, -1], 3, 3, [1, 1])
+    with pytest.raises(OffloadError, match="not a forward and a backward"):
+        passes([1, 2, -2], 2, 2)
+
+
+def test_region_module_takes_its_keys_in_turn(setup):
+    """Under TE's ``_order`` one callable runs once per microbatch: each run is a region of its
+    own (its own plan, hence its own graph's buffers), taken in turn."""
+    layer, _, manager = setup
+    region = offload.graphs._as_region(layer, "L", passes=2)
+    for seed in range(3):
+        _step(region, *seeded_pair(seed, 8, 2, 32))
+        offload.end_iteration()
+    assert sorted(manager.captures.plans) == [("L", 0), ("L", 1)]
+    assert manager.captures.plans[("L", 0)] == manager.captures.plans[("L", 1)]
+
+
 def test_changed_shape_under_capture_raises(setup):
     layer, _, manager = setup
     _step(layer, *seeded_pair(0, 8, 2, 32), key="L0")
@@ -311,3 +339,17 @@ def test_torch_compile_stays_exact(configure):
     assert torch.equal(xa.grad, xb.grad)
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert torch.equal(p.grad, q.grad), n
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_graph_pool_trace_says_it_needs_cuda():
+    """benchmarks/graph_pool_trace.py exits non-zero with a message, not a traceback, without CUDA."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "graph_pool_trace.py")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "needs a CUDA device" in run.stderr and "Traceback" not in run.stderr

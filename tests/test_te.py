@@ -17,6 +17,9 @@ FP8: TE's modules quantize with *internal* quantizers and save the plain data te
 data, transpose, fp32 scale-inverse) through ``prepare_for_saving``: the engine offloads them as
 plain tensors. FP8 attention (``DelayedScaling(fp8_dpa=True)``) saves ``Float8Tensor`` objects,
 which `offload.quantized` splits into their data tensors; the tests check that both paths ran.
+
+CUDA graphs: TE's ``make_graphed_callables`` through `offload.graphs`, per layer and per (layer,
+microbatch) in a pipeline ``_order``, bf16 and FP8, against eager without offloading.
 """
 
 from __future__ import annotations
@@ -302,6 +305,107 @@ def test_mxfp8_bitwise_equal(model_name, spy):
     diff = _same(ref, got)
     assert diff is None, diff
     assert torch.uint8 in spy["record_dtypes"] or spy["split"]
+
+
+# ----------------------------------------------------------------------------- CUDA graphs
+# TE's make_graphed_callables over the "parts" layers, one graph per layer: one microbatch
+# (order [1, -1]), or two model chunks of two layers and two microbatches in a 1F1B-like
+# pipeline order through TE's ``_order`` (per-microbatch graphs, as Megatron builds them).
+GRAPH_ORDERS = {"layers": ([1, -1], 1), "vpp_1f1b": ([1, 2, -2, 1, -1, 2, -2, -1], 2)}
+
+
+def _pipeline_step(layer_fn, model, data, order, chunks, recipe):
+    """Run ``order`` (``+c``: forward of model chunk c for its next microbatch, ``-c``: its
+    backward) with ``layer_fn(c, m, l)`` as layer l of chunk c for microbatch m. A chunk's input
+    is the previous chunk's output detached, so each backward runs one chunk, with the gradient
+    the next chunk's backward left on it. Each chunk forward runs in its own ``te.autocast``.
+    Returns the last chunk's outputs and every gradient."""
+    model.zero_grad(set_to_none=True)
+    per = len(model.layers) // chunks
+    xs = [x.clone().requires_grad_(True) for x, _ in data]
+    inputs, outputs, fwd, bwd = {}, {}, [0] * chunks, [0] * chunks
+    for c_id in order:
+        c = abs(c_id) - 1
+        if c_id > 0:
+            m = fwd[c]
+            fwd[c] += 1
+            h = xs[m] if c == 0 else outputs[(c - 1, m)].detach().requires_grad_(True)
+            inputs[(c, m)] = h
+            with te.autocast(enabled=recipe is not None, recipe=recipe):
+                for layer in range(per):
+                    h = layer_fn(c, m, layer)(h)
+            outputs[(c, m)] = h
+        else:
+            m = bwd[c]
+            bwd[c] += 1
+            grad = data[m][1] if c == chunks - 1 else inputs[(c + 1, m)].grad
+            outputs[(c, m)].backward(grad)
+    got = {f"out{m}": outputs[(chunks - 1, m)].detach().clone() for m in range(len(data))}
+    got.update({f"<input{m}>": x.grad.clone() for m, x in enumerate(xs)})
+    got.update({n: p.grad.clone() for n, p in model.named_parameters()})
+    return got
+
+
+@pytest.mark.parametrize("recipe_kind", [None, "delayed"], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("layout", list(GRAPH_ORDERS))
+def test_graphed_layers_bitwise_equal_eager(layout, recipe_kind):
+    """Per-layer graphs from TE's make_graphed_callables through `offload.graphs`, offloading
+    every name, against the same model eager without offloading: outputs and every gradient
+    bitwise equal over steps with fresh inputs (FP8: delayed scaling updates its scales between
+    steps). The graphs hold each (layer, microbatch) once; the groups of a forward graph that a
+    backward graph follows stay on the GPU (Note [C1] of offload.capture), all others leave it;
+    a replay runs none of the engine's Python."""
+    from collections import Counter
+
+    from offload.group import GroupState
+
+    order, microbatches = GRAPH_ORDERS[layout]
+    chunks = max(order)
+    per = 4 // chunks
+    make, mapping = MODELS["parts"]
+    recipe = _recipe(recipe_kind)
+    data = [[seeded_pair(3000 + 10 * step + m, SEQ, BATCH, HIDDEN, dtype=DTYPE, device="cuda")
+             for m in range(microbatches)] for step in range(STEPS)]
+
+    def eager():
+        torch.manual_seed(0)
+        model = make().cuda()
+        return [_pipeline_step(lambda c, m, layer: model.layers[c * per + layer], model, d, order,
+                               chunks, recipe) for d in data]
+
+    ref = eager()
+    assert _same(ref, eager()) is None, "the reference itself is not reproducible"
+
+    torch.manual_seed(0)
+    model = make().cuda()
+    names = tuple(mapping)
+    manager = offload.configure(list(names), min_tensor_bytes=MIN_BYTES, device="cuda")
+    offload.attach(model, mapping)
+    sample = tuple((torch.randn(SEQ, BATCH, HIDDEN, device="cuda", dtype=DTYPE, requires_grad=True),)
+                   for _ in range(4 * microbatches))
+    kwargs = {"enabled": recipe is not None, "recipe": recipe}
+    if layout != "layers":
+        kwargs["_order"] = order
+    try:
+        fns = offload.graphs.make_graphed_callables(tuple(model.layers), sample,
+                                                    graph_api=te.make_graphed_callables, **kwargs)
+        captured = manager.captured_groups
+        assert Counter(g.name for g in captured) == {n: 4 * microbatches for n in names}
+        # forward graphs followed by a backward capture: the last layer, per microbatch of the
+        # last chunk, and chunk 1's second microbatch in the 1F1B order
+        kept = {"layers": 1, "vpp_1f1b": 3}[layout]
+        assert Counter(g.name for g in captured if g.state is GroupState.KEPT) == {n: kept for n in names}
+        for g in captured:
+            if g.state is not GroupState.KEPT:
+                assert g.state is GroupState.OFFLOADED and sum(r.nbytes for r in g.records if r.host is not None)
+        calls = manager.hook_calls
+        got = [_pipeline_step(lambda c, m, layer: fns[c * per * microbatches + m * per + layer], model, d,
+                              order, chunks, recipe) for d in data]
+        assert manager.hook_calls == calls, "a replay runs none of our Python"
+    finally:
+        offload.reset(release_pool=True)
+    diff = _same(ref, got)
+    assert diff is None, diff
 
 
 def test_te_cpu_offload_module_imports():

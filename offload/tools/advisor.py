@@ -72,17 +72,19 @@ class Prediction:
     offload: list[str]
     recompute: list[str]
     max_inflight_groups: int = 1
-    offloaded_bytes: int = 0
     offloaded_by_name: dict[str, int] = field(default_factory=dict)
     bytes_per_group: dict[str, int] = field(default_factory=dict)
+    forward_wait_by_name: dict[str, float] = field(default_factory=dict)
+    # memory, bytes per step
+    offloaded_bytes: int = 0
     inflight_bytes: int = 0
     recomputed_bytes: int = 0
     freed_at_peak: int = 0
     peak_bytes: int | None = None
+    # time, ms
     d2h_ms_per_layer: float = 0.0
     h2d_ms_per_layer: float = 0.0
     forward_wait_ms: float = 0.0
-    forward_wait_by_name: dict[str, float] = field(default_factory=dict)
     backward_exposed_ms: float = 0.0
     exposed_ms: float = 0.0
     slowdown_ms: float = 0.0
