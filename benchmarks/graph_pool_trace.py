@@ -8,12 +8,17 @@ hold for good; the gap between the two is memory the pool holds but cannot hand 
 
     python benchmarks/graph_pool_trace.py                        # offloading core_attn
     python benchmarks/graph_pool_trace.py --names ""             # the same graphs without offloading
-    python benchmarks/graph_pool_trace.py --reload-buffers-outside-pool 2048   # experiment below
+    python benchmarks/graph_pool_trace.py --reload-buffers-outside-pool 2048   # experiments below
+    python benchmarks/graph_pool_trace.py --frozen-params
 
-``--reload-buffers-outside-pool MIB`` is an experiment, not a mode of the engine: reload buffers
-allocated during a capture come from one static device slab of MIB MiB made before the captures
-(each its own slice, never reused), so they take no block of the pool. It tells whether the
-reload buffers are what fragments the pool (docs/graphs.md, Limitations: they are not).
+Two experiments, not modes of the engine, each telling whether one kind of allocation is what
+fragments the pool (docs/graphs.md, Limitations):
+
+* ``--reload-buffers-outside-pool MIB``: reload buffers allocated during a capture come from one
+  static device slab of MIB MiB made before the captures (each its own slice, never reused), so
+  they take no block of the pool;
+* ``--frozen-params``: the parameters need no gradient, so the backward graphs allocate no
+  static parameter gradients in the pool (as when gradients go to buffers outside it).
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--reload-buffers-outside-pool", type=int, metavar="MIB", default=0)
+    p.add_argument("--frozen-params", action="store_true")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("graph_pool_trace.py needs a CUDA device")
@@ -87,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.cuda.CUDAGraph.capture_end = traced_capture_end
     model = build_gpt(args.hidden, 32, args.layers, dtype=torch.bfloat16, device="cuda")
+    if args.frozen_params:
+        model.requires_grad_(False)
     manager = offload.configure(names, device="cuda")
     offload.attach(model, GPT_MAPPING)
     layers = list(model.layers)
