@@ -34,14 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import offload  # noqa: E402
 from offload.streams import CudaStreams  # noqa: E402
-from offload.testing import GPT_MAPPING, build_gpt  # noqa: E402
+from offload.testing import GPT_MAPPING, build_gpt, graph_pool_segments  # noqa: E402
 
 
 def pool_state() -> tuple[int, int, dict[int, int]]:
     """Bytes of the private pools' segments, bytes of their active blocks, and the active blocks'
     sizes (MiB -> count)."""
-    segments = [s for s in torch.cuda.memory._snapshot()["segments"]
-                if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]
+    segments = graph_pool_segments()
     active = [b["size"] for s in segments for b in s["blocks"] if b["state"] == "active_allocated"]
     return sum(s["total_size"] for s in segments), sum(active), dict(collections.Counter(a >> 20 for a in active))
 

@@ -134,13 +134,10 @@ class _RegionModule(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, keys: Sequence[Any]) -> None:
         super().__init__()
         self.module = module
-        self.keys = tuple(keys)
-        self._next = 0
+        self._keys = itertools.cycle(keys)
 
     def forward(self, *args: Any) -> Any:
-        key = self.keys[self._next]
-        self._next = (self._next + 1) % len(self.keys)
-        return _run_region(self.module, key, args)
+        return _run_region(self.module, next(self._keys), args)
 
 
 def _as_region(fn: Callable, key: Any, passes: int = 1) -> Callable:
@@ -149,10 +146,10 @@ def _as_region(fn: Callable, key: Any, passes: int = 1) -> Callable:
     keys = [key] if passes == 1 else [(key, k) for k in range(passes)]
     if isinstance(fn, torch.nn.Module):
         return _RegionModule(fn, keys)
-    calls = itertools.cycle(keys)
+    turns = itertools.cycle(keys)
 
     def run(*args: Any) -> Any:
-        return _run_region(fn, next(calls), args)
+        return _run_region(fn, next(turns), args)
 
     return run
 

@@ -243,12 +243,18 @@ def first_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
     return None
 
 
-def graph_pool_bytes() -> int:
-    """Bytes of the CUDA caching allocator's segments that belong to private pools, i.e. the
-    memory CUDA graphs hold. A graph's activations live there, freed inside the capture and
-    reused by later captures of the pool, so ``max_memory_allocated`` does not show them."""
+def graph_pool_segments() -> list[dict]:
+    """The CUDA caching allocator's segments that belong to private pools (the memory CUDA
+    graphs hold), as ``torch.cuda.memory._snapshot()`` describes them."""
     segments = torch.cuda.memory._snapshot()["segments"]
-    return sum(seg["total_size"] for seg in segments if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0))
+    return [seg for seg in segments if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)]
+
+
+def graph_pool_bytes() -> int:
+    """Bytes of the private pools' segments, i.e. the memory CUDA graphs hold. A graph's
+    activations live there, freed inside the capture and reused by later captures of the
+    pool, so ``max_memory_allocated`` does not show them."""
+    return sum(seg["total_size"] for seg in graph_pool_segments())
 
 
 def saved_bytes_by_name(model: nn.Module, mapping: dict[str, str], run: Callable[[], None]) -> dict[str, int]:
