@@ -22,8 +22,10 @@ pytestmark = [*CUDA_ONLY, pytest.mark.usefixtures("deterministic")]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("variant", ["plain", "slow_copies", "host_ahead"])
+@pytest.mark.parametrize("variant", ["plain", "slow_copies", "host_ahead", "torch_copies"])
 def test_stack_gradients_bitwise_equal(configure, monkeypatch, dtype, variant):
+    """``torch_copies``: the copies through ``Tensor.copy_``, the path taken where CUDA's runtime
+    is not a shared library that the engine can call (`offload.streams._runtime_memcpy`)."""
     hidden, heads, layers, seq, batch = 256, 4, 4, 256, 2
     model = build_gpt(hidden, heads, layers, dtype=dtype, device="cuda")
     ref_model = copy.deepcopy(model)
@@ -31,8 +33,10 @@ def test_stack_gradients_bitwise_equal(configure, monkeypatch, dtype, variant):
     reproducible(lambda: train_step(ref_model, x, g))
 
     inflight = 2 if variant == "plain" else 1  # the default, 1, forces the most waits
-    configure(list(GPT_MAPPING), min_tensor_bytes=1024, max_inflight_groups=inflight, device="cuda")
+    manager = configure(list(GPT_MAPPING), min_tensor_bytes=1024, max_inflight_groups=inflight, device="cuda")
     offload.attach(model, GPT_MAPPING)
+    if variant == "torch_copies":
+        manager.streams._memcpy = None
     if variant == "slow_copies":
         slow_side_streams(monkeypatch)
     for it in range(20):
@@ -156,6 +160,13 @@ def test_timing_statistics_are_plausible(configure):
     h2d = total.bytes_reloaded / total.h2d_ms / 1e6
     print(f"achieved D2H {d2h:.1f} GB/s, H2D {h2d:.1f} GB/s")
     assert 1 < d2h < 1000 and 1 < h2d < 1000
+
+
+def test_copies_call_the_cuda_runtime_directly():
+    """The suite runs the engine's fast copy path: torch's CUDA runtime is found and called."""
+    from offload.streams import CudaStreams
+
+    assert CudaStreams(torch.device("cuda", 0))._memcpy is not None
 
 
 def test_stream_helpers_match_torch():
