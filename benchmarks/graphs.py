@@ -154,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--one", help=argparse.SUPPRESS)  # a configuration (JSON), measured in this process
     p.add_argument("--command", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("graphs.py needs a CUDA device (it measures CUDA graphs on the GPU)")
     if args.one:
         print(json.dumps(measure(json.loads(args.one), args)), flush=True)
         return 0

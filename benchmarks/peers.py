@@ -1021,6 +1021,9 @@ def main(argv: list[str] | None = None) -> int:
             result = {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:2000]}
         Path(args.worker_result).write_text(json.dumps(result))
         return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("peers.py needs a CUDA device (--device cuda, the default); "
+                         "--smoke runs a functional check on the CPU")
     from benchmarks import peers_report
 
     sizes = [s for s in (SMOKE_SIZES if args.smoke else GPU_SIZES) if not args.sizes or s.name in args.sizes]
@@ -1039,6 +1042,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "wall_s": round(time.perf_counter() - t0, 1),
     }
+    failed = [r.get("id", "?") for r in records if r.get("status") == "error"]
     peers_report.stamp_baselines(records, meta["date"])
     for r in records:  # this run's own provenance, kept through later merges
         r.update(command=meta["command"], date=meta["date"])
@@ -1047,7 +1051,10 @@ def main(argv: list[str] | None = None) -> int:
     report = peers_report.finish(records, meta, sizes, Path(args.out))
     print(report["summary"])
     print(f"results: {', '.join(report['files'])}", file=sys.stderr)
-    return 0
+    if failed:
+        print(f"peers.py: {len(failed)} job(s) of this run failed (logs in {Path(args.out) / 'logs'}): "
+              f"{', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -23,11 +23,12 @@ from typing import Iterable, Sequence
 import torch
 
 from .chunk_handler import ChunkOffloadHandler
-from .config import DEFAULT_MIN_TENSOR_BYTES, OffloadConfig, parse_module_list
-from .errors import OffloadError, SavedTensorModifiedError, UnknownModuleError
+from .config import DEFAULT_MIN_TENSOR_BYTES, OffloadConfig, check_device, parse_module_list
+from .errors import (OffloadError, OffloadTypeError, OffloadValueError, SavedTensorModifiedError,
+                     UnknownModuleError)
 from .group_policy import GroupInfo, GroupPolicy
 from .manager import PipelineOffloadManager
-from . import graphs
+from . import graphs, presets
 from .regions import AttachHandle, attach, group, mark_not_offload, never_offload
 from .stats import GroupStats, IterationStats
 
@@ -42,6 +43,8 @@ __all__ = [
     "IterationStats",
     "OffloadConfig",
     "OffloadError",
+    "OffloadTypeError",
+    "OffloadValueError",
     "PipelineOffloadManager",
     "SavedTensorModifiedError",
     "UnknownModuleError",
@@ -55,6 +58,7 @@ __all__ = [
     "mark_not_offload",
     "never_offload",
     "parse_module_list",
+    "presets",
     "reset",
     "set_schedule",
 ]
@@ -76,7 +80,10 @@ def configure(
     ``modules`` takes ``"core_attn,expert_fc1"``, ``"core_attn expert_fc1"`` or a list.
     ``policy`` picks which of those groups to offload (`offload.group_policy`; default: all).
     ``device`` defaults to the current CUDA device, or the CPU fallback without CUDA.
+    Bad arguments raise `OffloadTypeError` / `OffloadValueError` and leave the engine as it was.
     """
+    if device is not None:
+        device = check_device(device)
     config = OffloadConfig(
         modules=modules,
         min_tensor_bytes=min_tensor_bytes,

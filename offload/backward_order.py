@@ -22,8 +22,8 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .errors import OffloadError
-from .schedules import SchedulePlan
+from .errors import OffloadError, OffloadValueError
+from .schedules import SchedulePlan, check_order
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,13 @@ class BackwardOrder:
                 f"offload: set_schedule() called after {self.forwards} chunk forward(s) of "
                 "this iteration; call it before the iteration's first forward"
             )
-        self.plan = None if order is None else SchedulePlan(order)
+        try:
+            self.plan = None if order is None else SchedulePlan(check_order(order))
+        except ValueError as exc:
+            raise OffloadValueError(
+                f"offload: set_schedule() got an order that is not a schedule: {exc}; make it with "
+                "offload.schedules.schedule_order(pp, vpp, microbatches, rank)"
+            ) from exc
 
     def next_forward(self, chunk_id: int, microbatch: int | None) -> ForwardSlot:
         """Number the chunk forward that begins, checking it against the schedule."""

@@ -7,7 +7,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from .errors import UnknownModuleError
+import torch
+
+from .errors import OffloadTypeError, OffloadValueError, UnknownModuleError
 from .group_policy import GroupPolicy
 
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
@@ -26,17 +28,19 @@ def parse_module_list(spec: str | Iterable[str] | None) -> tuple[str, ...]:
         return ()
     if isinstance(spec, str):
         items = re.split(r"[,\s]+", spec)
-    else:
+    elif isinstance(spec, Iterable) and not isinstance(spec, bytes):
         items = []
         for item in spec:
-            if not isinstance(item, str):
-                raise TypeError(f"offload: module names must be strings, got {item!r}")
-            items.extend(re.split(r"[,\s]+", item))
+            items.extend(re.split(r"[,\s]+", check_str(item, "a module name")))
+    else:
+        raise OffloadTypeError(
+            f"offload: module names must be a string such as 'core_attn,fc1' or a list of strings, got {spec!r}"
+        )
     names: list[str] = []
     for item in items:
         if item and item not in names:
             if not _NAME_RE.match(item):
-                raise ValueError(
+                raise OffloadValueError(
                     f"offload: {item!r} is not a valid module name "
                     "(letters, digits, '_', '.', '-'; not starting with a digit)"
                 )
@@ -45,11 +49,40 @@ def parse_module_list(spec: str | Iterable[str] | None) -> tuple[str, ...]:
 
 
 def check_str(value: object, what: str) -> str:
-    """``value`` if it is a string, else a `TypeError` that names it and says what ``what``
-    (a group name, a pattern, ...) has to be."""
+    """``value`` if it is a string, else an `OffloadTypeError` that names it and says what
+    ``what`` (a group name, a pattern, ...) has to be."""
     if not isinstance(value, str):
-        raise TypeError(f"offload: {what} must be a string, got {value!r} ({type(value).__name__})")
+        raise OffloadTypeError(f"offload: {what} must be a string, got {value!r} ({type(value).__name__})")
     return value
+
+
+def check_int(value: object, what: str, minimum: int = 0, none_ok: bool = False) -> int | None:
+    """``value`` if it is an int (not a bool) of at least ``minimum`` (or ``None`` where
+    ``none_ok``), else an `OffloadTypeError` or `OffloadValueError` that names it."""
+    if value is None and none_ok:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise OffloadTypeError(f"offload: {what} must be an int, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise OffloadValueError(f"offload: {what} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_device(device: object) -> torch.device:
+    """``device`` as a `torch.device` the engine can run on (CUDA, present, or the CPU
+    fallback), else an `OffloadValueError` that names it."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise OffloadValueError(
+            f"offload: configure()'s device must be 'cuda', 'cuda:N', 'cpu' or None, got {device!r}"
+        ) from exc
+    if parsed.type not in ("cuda", "cpu"):
+        raise OffloadValueError(f"offload: configure()'s device must be a CUDA device or 'cpu', got {device!r}")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise OffloadValueError("offload: configure() asked for a CUDA device, but CUDA is not available; "
+                                "device='cpu' (or None) runs the CPU fallback")
+    return parsed
 
 
 def check_known(names: Iterable[str], known: Iterable[str], where: str) -> None:
@@ -114,25 +147,11 @@ class OffloadConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "modules", parse_module_list(self.modules))
         object.__setattr__(self, "enabled", frozenset(self.modules))
-        if not isinstance(self.min_tensor_bytes, int) or self.min_tensor_bytes < 0:
-            raise ValueError(
-                f"offload: min_tensor_bytes must be an int >= 0, got {self.min_tensor_bytes!r}"
-            )
-        if not isinstance(self.max_inflight_groups, int) or self.max_inflight_groups < 1:
-            raise ValueError(
-                f"offload: max_inflight_groups must be an int >= 1, got {self.max_inflight_groups!r}"
-            )
-        if not isinstance(self.copy_chunk_bytes, int) or self.copy_chunk_bytes < 0:
-            raise ValueError(
-                f"offload: copy_chunk_bytes must be an int >= 0, got {self.copy_chunk_bytes!r}"
-            )
+        check_int(self.min_tensor_bytes, "min_tensor_bytes")
+        check_int(self.max_inflight_groups, "max_inflight_groups", 1)
+        check_int(self.copy_chunk_bytes, "copy_chunk_bytes")
+        check_int(self.max_pinned_bytes, "max_pinned_bytes (or None)", none_ok=True)
         if self.policy is not None and not callable(self.policy):
-            raise TypeError(
+            raise OffloadTypeError(
                 f"offload: policy must be a callable (GroupInfo) -> bool or None, got {self.policy!r}"
-            )
-        if self.max_pinned_bytes is not None and (
-            not isinstance(self.max_pinned_bytes, int) or self.max_pinned_bytes < 0
-        ):
-            raise ValueError(
-                f"offload: max_pinned_bytes must be None or an int >= 0, got {self.max_pinned_bytes!r}"
             )

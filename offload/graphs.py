@@ -29,8 +29,8 @@ Entry points: `graph` (``torch.cuda.graph`` whose body is a region), `make_graph
 (torch's, or Transformer Engine's through ``graph_api=``, over callables that become regions,
 after an eager pass in capture order that sizes the pinned pool), `region` and `join` for
 other capture code. Tensors saved by eager code between graphs are offloaded eagerly, as
-anywhere else (boundary mode). `torch.compile` is not supported: what compiled code saves never
-reaches the hooks, so nothing is offloaded there (see docs/graphs.md).
+anywhere else (boundary mode). What `torch.compile`d code saves is not offloaded (the engine
+steps aside while Dynamo traces); eager code around it is (docs/compile.md).
 """
 
 from __future__ import annotations

@@ -19,7 +19,6 @@ calls `open_group`/`close_group`; autograd calls the saved-tensor hooks (`_pack`
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -28,11 +27,12 @@ from .backward_order import BackwardOrder
 from .capture import CaptureSessions
 from .chunk_handler import ChunkOffloadHandler, HandlerPhase
 from .chunk_lifecycle import ChunkLifecycle
-from .config import OffloadConfig, check_known
+from .config import OffloadConfig, check_int, check_known, check_str
 from .copy_queue import CopyQueue
 from .errors import OffloadError
 from .group import GroupState, KeptTensor, OffloadGroup, SavedHandle
 from .group_policy import inside_checkpoint
+from .notices import say_once, warn_if_nothing_offloaded
 from .pinned_pool import PinnedHostPool
 from .policy import TensorPolicy
 from .quantized import pack_quantized, splittable
@@ -74,12 +74,8 @@ class PipelineOffloadManager:
         self.chunks = ChunkLifecycle(self.order, self.copies, self.stats)
         self.captures = CaptureSessions(self)
         if not self.streams.is_cuda and config.enabled:
-            warnings.warn(
-                "offload: no CUDA device; the CPU fallback runs the engine with host copies "
-                "in place of device copies and saves no memory (said once).",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            say_once("cpu_fallback", "offload: no CUDA device; the CPU fallback runs the engine with host copies "
+                     "in place of device copies and saves no memory (said once per process).", stacklevel=3)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._open: list[OffloadGroup] = []  # enabled groups open, innermost last
         self._names_open: list[str] = []  # every group open, enabled or not
@@ -96,6 +92,8 @@ class PipelineOffloadManager:
         forwards in this iteration. Under ``no_grad`` it does nothing. With a schedule given
         (`set_schedule`), a chunk that is not the schedule's next forward raises `OffloadError`.
         """
+        check_int(chunk_id, "begin_chunk()'s chunk_id (the model chunk: 0, or 0..vpp-1 in a pipeline)")
+        check_int(microbatch, "begin_chunk()'s microbatch (or None to count them)", none_ok=True)
         if not torch.is_grad_enabled():
             return
         if self._open:
@@ -122,6 +120,9 @@ class PipelineOffloadManager:
         self.order.end_iteration()
         if check_names:
             self._check_names()
+            if stats.iteration == 0:
+                warn_if_nothing_offloaded(stats, self.config.modules, self.declared_names, self.policy.below_min,
+                                          self.config.min_tensor_bytes)
         return stats
 
     def reset(self, release_pool: bool = False) -> None:
@@ -154,6 +155,7 @@ class PipelineOffloadManager:
         not enabled, no autograd graph is being recorded, a recompute runs inside backward,
         the group is inside a ``torch.utils.checkpoint`` region (whose tensors are recomputed,
         not saved), or the group policy declines it."""
+        check_str(name, "a group name")
         if name in self._names_open:
             raise OffloadError(
                 f"offload: group {name!r} opened inside a group of the same name; give nested regions different names"
@@ -314,13 +316,15 @@ class PipelineOffloadManager:
             self.captures.note_reload(group.h2d_done)
 
     def _check_names(self) -> None:
+        """Raise `UnknownModuleError` for a configured name no attached module or opened group
+        has, at each call until all are known (from `attach`'s hooks and `end_iteration`)."""
         if self._names_checked or not self.config.modules or not self.declared_names:
             return
-        self._names_checked = True
         check_known(
             self.config.modules, self.declared_names,
-            "the offload config (no attached module and no group of that name ran this iteration)",
+            "the offload config (no attached module and no group of that name has run)",
         )
+        self._names_checked = True  # names are only ever added: all known stays all known
 
     # ------------------------------------------------------------------ introspection
     iteration = property(lambda self: self.order.iteration)

@@ -26,6 +26,7 @@ import weakref
 from typing import Callable, Iterable
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 class TensorPolicy:
@@ -36,9 +37,19 @@ class TensorPolicy:
         self.min_tensor_bytes = min_tensor_bytes
         self._blocked: dict[int, weakref.ref] = {}
         self.never_offload_depth = 0  # `offload.never_offload` regions open: nothing is eligible
+        self.below_min = [0, 0]  # tensors and bytes refused for size, ever (`offload.notices`)
 
     def block_storage_of(self, tensor: torch.Tensor) -> None:
-        """Never offload ``tensor``'s storage (any view of it) while the tensor lives."""
+        """Never offload ``tensor``'s storage (any view of it) while the tensor lives. A wrapper
+        subclass (FSDP2's ``DTensor`` parameters, quantized tensors) has no storage of its own:
+        the storages of its inner tensors are blocked instead."""
+        if is_traceable_wrapper_subclass(tensor):
+            names, _ = tensor.__tensor_flatten__()
+            for name in names:
+                inner = getattr(tensor, name)
+                if isinstance(inner, torch.Tensor):
+                    self.block_storage_of(inner)
+            return
         ptr = tensor.untyped_storage().data_ptr()
         if ptr:
             self._blocked[ptr] = weakref.ref(tensor)
@@ -63,15 +74,21 @@ class TensorPolicy:
 
     def eligible(self, t: torch.Tensor, nbytes: int) -> bool:
         """Every test but the storage's: ``t`` (of ``nbytes``) is a plain dense tensor on our
-        device, large enough, and neither a leaf that requires grad nor a view of one."""
-        if nbytes < self.min_tensor_bytes or type(t) is not torch.Tensor or t.layout is not torch.strided:
+        device, large enough, and neither a leaf that requires grad nor a view of one or of a
+        parameter (a frozen one, or FSDP2's unsharded parameters, fresh storages every step)."""
+        if nbytes < self.min_tensor_bytes:
+            below = self.below_min
+            below[0] += 1
+            below[1] += nbytes
+            return False
+        if type(t) is not torch.Tensor or t.layout is not torch.strided:
             return False
         if not self._owns(t):
             return False
         if t.requires_grad and t.is_leaf:
             return False
         base = t._base
-        return base is None or not (base.requires_grad and base.is_leaf)
+        return base is None or not (base.requires_grad and base.is_leaf or isinstance(base, torch.nn.Parameter))
 
     def blocked(self, ptr: int) -> bool:
         """Whether the storage at address ``ptr`` is marked never-offload (or a parameter's)."""

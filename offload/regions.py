@@ -16,15 +16,17 @@ first needs it (not overlapped). `attach` passes the module's tensor arguments f
 
 from __future__ import annotations
 
-import fnmatch
 import difflib
-from typing import Any, Iterable, Mapping
+import fnmatch
+import warnings
+import weakref
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from .config import check_str
-from .errors import OffloadError, UnknownModuleError
+from .config import check_int, check_str
+from .errors import OffloadError, OffloadTypeError, OffloadValueError, UnknownModuleError
 from .manager import PipelineOffloadManager
 
 
@@ -78,63 +80,103 @@ class group:
         self._manager = None
 
     def __enter__(self) -> Any:
-        self._manager = manager = PipelineOffloadManager.get()
-        self._group = g = manager.open_group(self.name)
         tensors = self.tensors
-        if g is not None and tensors:
-            tensors = _mark_inputs(g, tensors)
+        if not torch.compiler.is_compiling():  # traced by torch.compile: no group (docs/compile.md)
+            tensors = _open_eagerly(self)
         if not tensors:
             return None
         return tensors[0] if len(tensors) == 1 else tensors
 
     def __exit__(self, *exc: Any) -> None:
+        if not torch.compiler.is_compiling():
+            _close_eagerly(self)
+
+    def _open(self) -> tuple[torch.Tensor, ...]:
+        self._manager = manager = PipelineOffloadManager.get()
+        self._group = g = manager.open_group(self.name)
+        return _mark_inputs(g, self.tensors) if g is not None and self.tensors else self.tensors
+
+    def _close(self) -> None:
         self._manager.close_group(self._group, self.name)
         self._group = None
         self.tensors = ()  # hold no activation past the region
 
 
+# Run where Dynamo is active but not tracing (between compiled frames), the engine's code must
+# not be traced either: under torch.compiler.disable it runs as plain Python.
+_open_eagerly = torch.compiler.disable(group._open)
+_close_eagerly = torch.compiler.disable(group._close)
+
+
 class never_offload:
-    """Within this region, nothing is offloaded (tensors are still saved normally)."""
+    """Within this region, nothing is offloaded (tensors are still saved normally). Traced by
+    torch.compile it does nothing: compiled code offloads nothing anyway (docs/compile.md)."""
 
     def __enter__(self) -> None:
-        PipelineOffloadManager.get().policy.never_offload_depth += 1
+        if not torch.compiler.is_compiling():
+            _never_offload_depth(+1)
 
     def __exit__(self, *exc: Any) -> None:
-        PipelineOffloadManager.get().policy.never_offload_depth -= 1
+        if not torch.compiler.is_compiling():
+            _never_offload_depth(-1)
+
+
+@torch.compiler.disable
+def _never_offload_depth(step: int) -> None:
+    PipelineOffloadManager.get().policy.never_offload_depth += step
 
 
 def mark_not_offload(*tensors: torch.Tensor) -> None:
     """Never offload these tensors' storages (any view of them) while they live."""
-    policy = PipelineOffloadManager.get().policy
     for t in tensors:
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"offload: mark_not_offload takes tensors, got {type(t).__name__}")
+            raise OffloadTypeError(f"offload: mark_not_offload takes tensors, got {type(t).__name__}")
+    if not torch.compiler.is_compiling():  # traced tensors have no storage to mark
+        _block_storages(tensors)
+
+
+@torch.compiler.disable
+def _block_storages(tensors: tuple[torch.Tensor, ...]) -> None:
+    policy = PipelineOffloadManager.get().policy
+    for t in tensors:
         policy.block_storage_of(t)
+
+
+_attached: "weakref.WeakKeyDictionary[nn.Module, tuple[AttachHandle, str]]" = weakref.WeakKeyDictionary()
+"""Every module an `attach` hooked (its root and its group modules): the handle, and what it is."""
+
+_first_forward_pending: "weakref.WeakSet[AttachHandle]" = weakref.WeakSet()
+"""Attached roots whose forward has not ended yet: once none is left, the names are checked."""
 
 
 class AttachHandle:
     """Returned by `attach`; `remove()` takes every hook away again."""
 
-    def __init__(self, hooks: list[Any], matched: dict[str, list[str]]) -> None:
-        self._hooks = hooks
+    def __init__(self, matched: dict[str, list[str]]) -> None:
+        self._hooks: list[Any] = []
         self.matched = matched
 
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        for module in [m for m, (handle, _) in _attached.items() if handle is self]:
+            del _attached[module]
+        _first_forward_pending.discard(self)
 
 
 def _module_hooks(module: nn.Module, name: str) -> list[Any]:
     # One entry per invocation whose pre-hook ran: its region, or None where opening the
     # group raised. Torch calls the forward hook (always_call) after such an error too; it
     # must then close nothing, so that the error that stopped the forward surfaces alone.
+    # Traced by torch.compile, both hooks do nothing (docs/compile.md).
     stack: list[group | None] = []
 
-    def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    @torch.compiler.disable
+    def open_region(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         region = group(name)
         try:
-            region.__enter__()  # a failed open leaves nothing open (`open_group` undoes itself)
+            region._open()  # a failed open leaves nothing open (`open_group` undoes itself)
         except BaseException:
             stack.append(None)
             raise
@@ -150,12 +192,20 @@ def _module_hooks(module: nn.Module, name: str) -> list[Any]:
             new_kwargs[k] = t
         return marked[: len(args)], new_kwargs
 
-    def post(mod: nn.Module, args: tuple, output: Any) -> None:
+    @torch.compiler.disable
+    def close_region() -> None:
         if not stack:
             return  # an earlier pre-hook raised before ours ran: nothing was opened
         region = stack.pop()
         if region is not None:
-            region.__exit__(None, None, None)
+            region._close()
+
+    def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        return None if torch.compiler.is_compiling() else open_region(args, kwargs)
+
+    def post(mod: nn.Module, args: tuple, output: Any) -> None:
+        if not torch.compiler.is_compiling():
+            close_region()
 
     return [
         module.register_forward_pre_hook(pre, with_kwargs=True),
@@ -165,7 +215,7 @@ def _module_hooks(module: nn.Module, name: str) -> list[Any]:
 
 def attach(
     model: nn.Module,
-    mapping: Mapping[str, str | Iterable[str]],
+    mapping: Mapping[str, str | Iterable[str]] | str | Sequence[str],
     chunk_id: int = 0,
 ) -> AttachHandle:
     """Make submodules of ``model`` offload groups, without editing the model's code.
@@ -173,25 +223,112 @@ def attach(
     ``mapping`` maps a group name to one or more patterns over qualified module names
     (``fnmatch`` style, ``*`` matches across dots), e.g.
     ``{"core_attn": "layers.*.attn.core", "expert_fc1": "layers.*.mlp.experts.*.fc1"}``.
+    For a Hugging Face ``transformers`` model it may be just the names (``"core_attn,mlp_act"``
+    or a list): their patterns come from `offload.presets` (docs/hf.md).
     Each matched module's forward becomes a group (its tensor arguments get the backward
     marker). ``model``'s own forward starts a new chunk/microbatch handler (``chunk_id``).
     The model's parameters are registered as never-offload storages.
 
-    Raises `UnknownModuleError` when a pattern matches nothing, `OffloadError` when a module is
-    matched twice. A configured name that neither ``mapping`` nor any group in the code provides
-    raises `UnknownModuleError` at the end of the first iteration (when every chunk has run).
+    Raises at once (docs/errors.md): `UnknownModuleError` when a pattern matches nothing,
+    `OffloadError` when a module is matched twice, when a name's modules nest in each other
+    (``"blocks.*"`` also matches every submodule of each block) or when ``model`` or a module of
+    it is already attached; `OffloadTypeError` for arguments of the wrong type. A configured
+    name that neither ``mapping`` nor any group in the code provides raises
+    `UnknownModuleError` once the model's first forward is over (every attached model has run
+    one), when the gradient reaches the model's output, and at each `end_iteration` until fixed;
+    if it is close to an attached name, `attach` warns at once.
     """
-    manager = PipelineOffloadManager.get()
+    if not isinstance(model, nn.Module):
+        raise OffloadTypeError(f"offload: attach() takes a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(mapping, (str, list, tuple)):  # offload names of a transformers model
+        from . import presets
+
+        try:
+            presets.architecture_of(model)
+        except OffloadError as exc:
+            raise OffloadTypeError(
+                "offload: attach()'s mapping must be a dict of group name -> module pattern(s), such as "
+                f"{{'fc1': 'layers.*.mlp.fc1'}}; names alone ({mapping!r}) work for a transformers model "
+                f"with a preset only: {exc}"
+            ) from exc
+        mapping = presets.mapping_for(model, mapping)
+    if not isinstance(mapping, Mapping):
+        raise OffloadTypeError(
+            "offload: attach()'s mapping must be a dict of group name -> module pattern(s), such as "
+            f"{{'fc1': 'layers.*.mlp.fc1'}}, or the names of a transformers model's preset; got {mapping!r}"[:300]
+        )
+    check_int(chunk_id, "attach()'s chunk_id (the model chunk: 0, or 0..vpp-1 in a pipeline)")
+    _check_not_attached(model)
     qualnames = {qn: m for qn, m in model.named_modules() if qn}
+    owner = _match(model, qualnames, mapping)
+    matched = {name: sorted(qn for qn, n in owner.items() if n == name) for name in mapping}
+    manager = PipelineOffloadManager.get()
+    _warn_unattached(manager.config.modules, set(matched) | manager.declared_names)
+    manager.declare_names(matched)
+    manager.policy.block_parameters(model.parameters())
+
+    handle = AttachHandle(matched)
+    for qn, name in owner.items():
+        handle._hooks.extend(_module_hooks(qualnames[qn], name))
+        _attached[qualnames[qn]] = (handle, f"as a module of group {name!r}")
+    _attached[model] = (handle, f"with the groups {', '.join(matched) or '(none)'}")
+    _first_forward_pending.add(handle)
+
+    @torch.compiler.disable
+    def begin_chunk() -> None:
+        manager = PipelineOffloadManager.get()
+        if not manager.in_group:  # called inside a group: part of the enclosing chunk
+            manager.begin_chunk(chunk_id)
+
+    @torch.compiler.disable
+    def forward_done(output: Any) -> None:
+        _first_forward_pending.discard(handle)
+        manager = PipelineOffloadManager.get()
+        if _first_forward_pending or manager.in_group or manager.captures.in_region:
+            return
+        try:
+            manager._check_names()
+        except UnknownModuleError:
+            _check_names_at_backward(output)
+
+    def begin(mod: nn.Module, args: tuple) -> None:
+        if not torch.compiler.is_compiling():
+            begin_chunk()
+
+    def end(mod: nn.Module, args: tuple, output: Any) -> None:
+        if not torch.compiler.is_compiling():
+            forward_done(output)
+
+    handle._hooks.append(model.register_forward_pre_hook(begin))
+    handle._hooks.append(model.register_forward_hook(end))
+    return handle
+
+
+def _check_names_at_backward(output: Any) -> None:
+    """A configured name is unknown when the model's forward ends: groups that the code opens
+    after the model (a loss head) may still declare it, so check again when the gradient
+    reaches the model's output, before any of the model's backward and the optimizer step."""
+    tensors = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+    checked: list[bool] = []
+
+    def check(grad: torch.Tensor) -> None:
+        if not checked:
+            checked.append(True)
+            PipelineOffloadManager.get()._check_names()  # raises out of backward: docs/errors.md
+
+    for t in tensors:
+        t.register_hook(check)
+
+
+def _match(model: nn.Module, qualnames: dict[str, nn.Module],
+           mapping: Mapping[str, str | Iterable[str]]) -> dict[str, str]:
+    """Qualified module name -> its group name, for every module the patterns match."""
     owner: dict[str, str] = {}
-    matched: dict[str, list[str]] = {}
     for name, patterns in mapping.items():
         check_str(name, "a group name (a key of the mapping given to attach())")
         if isinstance(patterns, (str, bytes)) or not isinstance(patterns, Iterable):
             patterns = [patterns]  # one pattern (anything but a string is refused below)
-        else:
-            patterns = list(patterns)
-        hits: list[str] = []
+        hits: dict[str, str] = {}  # module -> the pattern that matched it
         for pattern in patterns:
             check_str(pattern, f"a module pattern of group {name!r} in attach() (fnmatch over module names)")
             found = [qn for qn in qualnames if fnmatch.fnmatchcase(qn, pattern)]
@@ -202,25 +339,70 @@ def attach(
                     f"offload: pattern {pattern!r} for group {name!r} matches no submodule of "
                     f"{type(model).__name__}{hint}"
                 )
-            hits.extend(found)
+            hits.update((qn, pattern) for qn in found if qn not in hits)
+        _check_not_nested(name, hits)
         for qn in hits:
             if qn in owner and owner[qn] != name:
                 raise OffloadError(
                     f"offload: module {qn!r} is matched by both {owner[qn]!r} and {name!r}"
                 )
             owner[qn] = name
-        matched[name] = sorted(set(hits))
-    manager.declare_names(matched)
-    manager.policy.block_parameters(model.parameters())
+    return owner
 
-    hooks: list[Any] = []
-    for qn, name in owner.items():
-        hooks.extend(_module_hooks(qualnames[qn], name))
 
-    def begin(mod: nn.Module, args: tuple) -> None:
-        manager = PipelineOffloadManager.get()
-        if not manager.in_group:  # called inside a group: part of the enclosing chunk
-            manager.begin_chunk(chunk_id)
+def _check_not_nested(name: str, hits: dict[str, str]) -> None:
+    """Refuse a group whose matched modules (``hits``: module -> pattern) contain each other:
+    its group would open inside itself in forward."""
+    inner = {qn: outer for qn in hits for outer in _ancestors(qn) if outer in hits}
+    if not inner:
+        return
+    qn, outer = next(iter(inner.items()))
+    by = (f"pattern {hits[outer]!r} of group {name!r} matches" if hits[qn] == hits[outer]
+          else f"patterns {hits[outer]!r} and {hits[qn]!r} of group {name!r} match")
+    tops = [m for m in hits if m not in inner]
+    raise OffloadValueError(
+        f"offload: attach(): {by} {outer!r} and its submodule {qn!r} "
+        f"({len(inner)} matched modules lie inside other matched ones), so group {name!r} would open "
+        "inside itself. fnmatch's '*' matches '.' too: match only the outer modules, e.g. with "
+        f"{_outer_patterns(tops)}"
+    )
 
-    hooks.append(model.register_forward_pre_hook(begin))
-    return AttachHandle(hooks, matched)
+
+def _ancestors(qn: str) -> Iterable[str]:
+    parts = qn.split(".")
+    return (".".join(parts[:i]) for i in range(1, len(parts)))
+
+
+def _outer_patterns(tops: list[str]) -> list[str]:
+    """Patterns that match the modules ``tops`` and none of their submodules."""
+    parents = {qn.rpartition(".")[0] for qn in tops}
+    if len(parents) == 1 and all(qn.rpartition(".")[2].isdigit() for qn in tops):
+        prefix = parents.pop()
+        prefix = f"{prefix}." if prefix else ""
+        return [prefix + "[0-9]" * width for width in sorted({len(qn.rpartition(".")[2]) for qn in tops})]
+    return sorted(tops)
+
+
+def _check_not_attached(model: nn.Module) -> None:
+    """Refuse a model that an earlier `attach` hooked, or that holds or lies in one that was."""
+    for qn, module in model.named_modules():
+        if module in _attached:
+            what = _attached[module][1]
+            where = f"{type(model).__name__}" if not qn else f"its submodule {qn!r}"
+            raise OffloadError(
+                f"offload: attach(): {where} is already attached ({what}, by an earlier attach()); "
+                "call remove() on the handle that attach() returned first, or attach once with one mapping"
+            )
+
+
+def _warn_unattached(modules: Iterable[str], known: set[str]) -> None:
+    """Warn at once of a configured name that is not attached but close to one that is (a
+    typo, unless a group in the code opens it: the first backward tells)."""
+    for name in modules:
+        close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8) if name not in known else []
+        if close:
+            warnings.warn(
+                f"offload: configured name {name!r} is not attached (did you mean {close[0]!r}?); unless a "
+                f"group in the code opens {name!r}, the model's first backward raises UnknownModuleError",
+                RuntimeWarning, stacklevel=3,
+            )

@@ -25,11 +25,15 @@ default ``pp_size``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Literal, Sequence
+
+from .errors import OffloadTypeError
 
 __all__ = [
     "SchedulePlan",
     "backward_order",
+    "check_order",
     "kept_last_group",
     "num_warmup_microbatches",
     "schedule_events",
@@ -128,6 +132,18 @@ def schedule_order(
     group = _check(pp_size, vpp_size, num_microbatches, rank, microbatch_group_size)
     warmup = _warmup(pp_size, vpp_size, num_microbatches, rank, group)
     return table_to_order(schedule_table(num_microbatches, vpp_size, group), vpp_size, warmup)
+
+
+def check_order(order: object) -> list[int]:
+    """``order`` (a sequence of integers) as a list of ints, else `OffloadTypeError` saying
+    what an order is."""
+    if isinstance(order, Sequence) and not isinstance(order, (str, bytes)):
+        if all(isinstance(c, Integral) and not isinstance(c, bool) for c in order):
+            return [int(c) for c in order]
+    raise OffloadTypeError(
+        f"offload: a schedule is Megatron's signed order, a list of ints (+c: a forward of chunk c-1, -c: its "
+        f"backward; offload.schedules.schedule_order makes it), or None; got {order!r}"[:400]
+    )
 
 
 def schedule_events(order: list[int]) -> list[Event]:

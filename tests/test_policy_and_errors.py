@@ -89,22 +89,36 @@ def test_min_tensor_bytes_keeps_small_tensors(configure):
 
 
 # ---------------------------------------------------------------- errors
-def test_misspelled_name_lists_valid_names_after_first_iteration(configure):
-    configure(["core_atn"])
-    model = build_gpt(32, 4, 1)
-    offload.attach(model, GPT_MAPPING)
-    model(torch.randn(8, 2, 32)).sum().backward()
-    with pytest.raises(offload.UnknownModuleError, match=r"'core_atn' \(did you mean 'core_attn'\?\).*valid names: .*core_attn"):
-        offload.end_iteration()
+def test_misspelled_name_is_reported_at_attach_and_refused_before_backward_until_fixed(configure):
+    """A configured name close to an attached one: a warning at attach; then, once the model's
+    first forward is over, `UnknownModuleError` with the valid names when the gradient reaches the
+    model's output (before any of its backward and the optimizer step), and again at each
+    iteration (its backward and end_iteration) until the config is fixed."""
+    configure(["core_atn", "fc1"])
+    model = build_gpt(32, 4, 2)
+    with pytest.warns(RuntimeWarning, match=r"'core_atn' is not attached \(did you mean 'core_attn'\?\)"):
+        offload.attach(model, GPT_MAPPING)
+    x = torch.randn(8, 2, 32, requires_grad=True)
+    for _ in range(2):  # a user who catches it and goes on hears it again
+        out = model(x)
+        with pytest.raises(offload.UnknownModuleError,
+                           match=r"'core_atn' \(did you mean 'core_attn'\?\).*valid names: .*core_attn"):
+            out.sum().backward()
+        assert x.grad is None and all(p.grad is None for p in model.parameters())
+        with pytest.raises(offload.UnknownModuleError, match="core_atn"):
+            offload.end_iteration()
+    configure(["core_attn", "fc1"])  # fixed: the same model and hooks train, silently
+    model(x).sum().backward()
+    assert offload.end_iteration().by_name["fc1"].bytes_offloaded > 0
 
 
 def test_name_missing_from_model_is_an_error(configure):
     configure(["expert_fc1"])
     model = build_gpt(32, 4, 1)
     offload.attach(model, GPT_MAPPING)
-    model(torch.randn(8, 2, 32)).sum().backward()
+    out = model(torch.randn(8, 2, 32))
     with pytest.raises(offload.UnknownModuleError, match="expert_fc1"):
-        offload.end_iteration()
+        out.sum().backward()
 
 
 def test_attach_and_code_groups_together(configure):
@@ -131,14 +145,38 @@ def test_module_matched_by_two_names_is_an_error(configure):
         offload.attach(build_gpt(32, 4, 1), {"a": "layers.0.mlp.*", "b": "layers.0.mlp.linear_fc1"})
 
 
-def test_misspelled_name_with_context_manager_raises_at_end_of_iteration(configure):
+def test_misspelled_name_with_context_manager_raises_at_each_end_of_iteration(configure):
+    """Groups in code only: the engine sees no forward's end, so end_iteration() raises, at each
+    iteration until fixed (`attach(model, {})` would mark the forward's end: see the next test)."""
     configure(["core_atn"])
     x = torch.randn(8, requires_grad=True)
-    with offload.group("core_attn", x) as y:
-        z = y.sin()
-    z.sum().backward()
-    with pytest.raises(offload.UnknownModuleError, match="did you mean 'core_attn'"):
-        offload.end_iteration()
+    for _ in range(2):
+        with offload.group("core_attn", x) as y:
+            z = y.sin()
+        z.sum().backward()
+        with pytest.raises(offload.UnknownModuleError, match="did you mean 'core_attn'"):
+            offload.end_iteration()
+
+
+def test_attach_without_groups_checks_code_group_names_before_backward(configure):
+    """`attach(model, {})` hooks only the model's forward: a misspelled name of a group in the
+    model's code is then refused after its first forward, before its backward."""
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            with offload.group("mine", x) as x1:
+                return self.lin(x1).relu()
+
+    configure(["mien"])
+    model = Model()
+    offload.attach(model, {})
+    out = model(torch.randn(4, 8, requires_grad=True))
+    with pytest.raises(offload.UnknownModuleError, match="'mien' \\(did you mean 'mine'\\?\\)"):
+        out.sum().backward()
 
 
 def test_group_inside_group_of_same_name_raises(configure):
@@ -201,11 +239,12 @@ def test_error_in_a_module_pre_hook_surfaces_alone(configure, cause):
     (lambda model: offload.attach(model, {"fc1": b"layers.*.mlp.linear_fc1"}), "b'layers.*.mlp.linear_fc1' (bytes)"),
 ], ids=["group_name", "mapping_key", "pattern", "pattern_in_list", "bytes_pattern"])
 def test_non_string_names_and_patterns_are_refused_early(configure, make, bad):
-    """A group name or an attach() pattern that is not a string: a TypeError that names the
-    value, at once (not difflib's "object of type 'int' has no len()" later)."""
+    """A group name or an attach() pattern that is not a string: an `OffloadTypeError` (a
+    TypeError) that names the value, at once (not difflib's "object of type 'int' has no len()"
+    later)."""
     configure(["fc1"])
     model = build_gpt(32, 4, 1)
-    with pytest.raises(TypeError) as info:
+    with pytest.raises(offload.OffloadTypeError) as info:
         make(model)
     message = str(info.value)
     assert message.startswith("offload: ") and "must be a string" in message and f"got {bad}" in message
@@ -276,9 +315,18 @@ def test_parse_module_list_forms():
     assert parse_module_list(" , ") == ()
 
 
-def test_cpu_fallback_says_once_that_it_saves_nothing():
-    with pytest.warns(RuntimeWarning, match="saves no memory"):
-        offload.configure(["core_attn"], device="cpu")
+def test_cpu_fallback_says_once_per_process_that_it_saves_nothing(monkeypatch):
+    from offload import notices
+
+    monkeypatch.setattr(notices, "_said", set())  # as in a fresh process
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            offload.configure(["core_attn"], device="cpu")
+    assert [str(w.message) for w in said if "saves no memory" in str(w.message)] == [
+        "offload: no CUDA device; the CPU fallback runs the engine with host copies in place of device "
+        "copies and saves no memory (said once per process)."
+    ]
 
 
 def test_begin_chunk_inside_group_raises(configure):

@@ -321,15 +321,28 @@ def test_advise_cli_on_the_recorded_profile(tmp_path, capsys):
     from offload.tools import advise as advise_cli
 
     out = tmp_path / "advice.json"
-    rc = advise_cli.main(["--profile", str(FIX / "profile_cpu.json"), "--link-gbps", "50", "--out", str(out)])
+    rc = advise_cli.main(["--profile", str(FIX / "profile_gpu.json"), "--bandwidth", str(FIX / "bandwidth.json"),
+                          "--budget-below-peak-gib", "1", "--out", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
     data = json.loads(out.read_text())
-    assert [r["name"] for r in data["modules"]] == load_fixture("profile_cpu.json")["names"]
-    assert data["free_flags"] in text and "| core_attn |" in text
-    with pytest.raises(SystemExit):  # a CPU profile has no peak to budget against
-        advise_cli.main(["--profile", str(FIX / "profile_cpu.json"), "--link-gbps", "50",
-                         "--budget-below-peak-gib", "1", "--out", str(out)])
+    assert [r["name"] for r in data["modules"]] == load_fixture("profile_gpu.json")["names"]
+    assert data["free_flags"] in text and "| core_attn |" in text and "Budget" in text
+
+
+@pytest.mark.parametrize("tool", ["advise", "advisor_check"])
+def test_a_cpu_profile_is_refused(tmp_path, capsys, tool):
+    """A CPU profile has host times and no peak: every name would look free and the check would
+    pass on nothing. Both tools say so and exit non-zero, writing nothing."""
+    import importlib
+
+    out = tmp_path / "out.json"
+    argv = ["--profile", str(FIX / "profile_cpu.json"), "--out", str(out)]
+    argv += ["--link-gbps", "50"] if tool == "advise" else ["--advice", str(FIX / "check.json")]
+    with pytest.raises(SystemExit) as info:
+        importlib.import_module(f"offload.tools.{tool}").main(argv)
+    assert info.value.code not in (0, None)
+    assert "a CPU profile cannot be advised on" in str(info.value.code) and not out.exists()
 
 
 def test_gpu_profile_and_check_fixtures_agree():

@@ -23,6 +23,8 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--modules", default="all")
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA device: it reads torch.cuda.memory_allocated() (the CPU fallback allocates nothing)")
     modules = list(GPT_MAPPING) if args.modules == "all" else list(offload.parse_module_list(args.modules))
     model = build_gpt(args.hidden, args.heads, args.layers, dtype=torch.bfloat16, device="cuda")
     for prm in model.parameters():

@@ -9,7 +9,8 @@ bytes per group, copy time against a layer's compute, the predicted memory freed
 and cost, alone, offloaded and recomputed, with a verdict. Then the free set and, with a
 budget, the cheapest assignment that meets it, as ``--offload-modules=...`` (and
 ``--recompute-modules=...``). The free set is chosen for the names together (their copies share
-one stream), never only name by name. The arithmetic is in `offload.tools.advisor`.
+one stream), never only name by name. The arithmetic is in `offload.tools.advisor`. A profile
+made on CPU is refused: its times are host times and it has no memory peak.
 """
 
 from __future__ import annotations
@@ -21,6 +22,19 @@ from typing import Any
 from .advisor import DEFAULT_FREE_COST_PCT, DEFAULT_HEADROOM, advise
 from .bandwidth import Bandwidth
 from .report import GIB, gib, md_table, mib, publish, read_json
+
+
+def read_profile(path: str) -> dict[str, Any]:
+    """The module profile at ``path``; exits with a message if it was made on CPU, where every
+    name would look free (host times, no memory peak)."""
+    profile = read_json(path, "--profile")
+    if profile.get("device") == "cpu":
+        raise SystemExit(
+            f"--profile: {path} was made on CPU, where module times are host times and there is no memory "
+            "peak: a CPU profile cannot be advised on (every name would look free). Profile on the GPU: "
+            "python -m offload.tools.profile_modules --device cuda ..."
+        )
+    return profile
 
 
 def table(advice: dict[str, Any]) -> str:
@@ -94,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-recompute", action="store_true", help="offloading only")
     p.add_argument("--out", default="advice.json")
     args = p.parse_args(argv)
-    profile = read_json(args.profile, "--profile")
+    profile = read_profile(args.profile)
     try:
         bw = Bandwidth.load(args.bandwidth) if args.bandwidth else Bandwidth.constant(args.link_gbps)
         budget = None if args.budget_gib is None else int(args.budget_gib * GIB)

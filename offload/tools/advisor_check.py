@@ -12,8 +12,8 @@ each, CUDA events read once the step's end event has completed) and the memory p
 * every module called free alone, and the free set, costs at most ``--free-cost-pct`` (default
   2%) of step time.
 
-Exits with 1 if a check fails. On CPU the step times are measured but there is no memory peak,
-so only the time check applies.
+Exits with 1 if a check fails. A profile made on CPU is refused (host times, no memory peak:
+nothing to check); `check` itself runs on CPU too (the tests use it there).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch
 
 import offload
 
+from .advise import read_profile
 from .advisor import Model
 from .bandwidth import Bandwidth
 from .report import gib, md_table, publish, read_json
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1, --warmup >= 0")
-    profile = read_json(args.profile, "--profile")
+    profile = read_profile(args.profile)
     advice = read_json(args.advice, "--advice")
     result = check(profile, advice, args.steps, args.warmup, args.peak_tolerance, args.free_cost_pct)
     publish(args.out, result, render(result))

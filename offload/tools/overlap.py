@@ -322,10 +322,13 @@ def report(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in ("record", "report"):
-        print(__doc__, file=sys.stderr)
-        return 2
-    return record(argv[1:]) if argv[0] == "record" else report(argv[1:])
+    commands = {"record": record, "report": report}
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="'COMMAND --help' lists a command's options.")
+    p.add_argument("command", choices=commands, help="record: train under torch.profiler and write a trace; "
+                                                     "report: analyze a trace")
+    command = p.parse_args(argv[:1]).command
+    return commands[command](argv[1:])
 
 
 if __name__ == "__main__":

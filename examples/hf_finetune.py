@@ -1,0 +1,216 @@
+"""Fine-tune a transformers model with activation offloading, by offload name (`offload.presets`).
+
+    python examples/hf_finetune.py --model llama --offload-modules core_attn,fc1
+    python examples/hf_finetune.py --model qwen3_moe --offload-modules core_attn,experts --fsdp2
+    python examples/hf_finetune.py --model all --size tiny --steps 2 --device cpu   # the CPU test
+
+A Llama or Qwen3-MoE model is initialised at random from a config (nothing is downloaded) and
+trained on synthetic tokens twice from the same seed: without offloading, then with the names
+of ``--offload-modules`` offloaded. The script prints each run's peak memory and step time on
+CUDA, what was offloaded per step, and checks that both runs' losses and final weights are
+bitwise equal (it exits non-zero when they are not). ``--fsdp2`` shards each decoder layer
+with ``fully_shard`` (one process, or every rank under ``torchrun``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+import warnings
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS: bitwise comparison
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import offload  # noqa: E402
+
+SIZES = {
+    # name: (hidden, layers, heads, kv heads, dense ffn, experts, experts per token, expert ffn, vocab)
+    "tiny": (64, 2, 4, 2, 128, 4, 2, 32, 128),
+    "small": (1024, 8, 16, 4, 2816, 16, 2, 512, 32000),
+    "1b": (2048, 16, 32, 8, 5632, 32, 4, 1024, 32000),
+}
+DEFAULT_NAMES = {
+    "llama": "core_attn,qkv_linear,fc1,mlp_act,fc2",
+    "qwen3_moe": "core_attn,qkv_linear,router,experts",
+}
+
+
+def build_config(model: str, size: str, seq: int, attn: str) -> object:
+    from transformers import AutoConfig
+
+    hidden, layers, heads, kv, ffn, experts, topk, expert_ffn, vocab = SIZES[size]
+    kw = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+              num_key_value_heads=kv, head_dim=hidden // heads, intermediate_size=ffn,
+              max_position_embeddings=max(seq, 64), use_cache=False, attn_implementation=attn)
+    if model == "qwen3_moe":
+        kw.update(num_experts=experts, num_experts_per_tok=topk, moe_intermediate_size=expert_ffn)
+    return AutoConfig.for_model(model, **kw)
+
+
+def build_model(config: object, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).train()
+
+
+def start_distributed(device: torch.device) -> object:
+    """A process group (``torchrun``'s, or one of a single rank) and a 1-D device mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def shard(model: nn.Module, mesh: object) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def train(args: argparse.Namespace, model_name: str, names: str | None, mesh: object) -> dict:
+    """``args.steps`` AdamW steps; returns the losses, final weights (on the CPU), step times,
+    peak memory and offloaded bytes per step."""
+    device = torch.device(args.device)
+    config = build_config(model_name, args.size, args.seq, args.attn)
+    model = build_model(config, device, args.dtype)
+    if names:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the CPU fallback saves nothing: said below
+            offload.configure(names, min_tensor_bytes=args.min_tensor_bytes, device=device)
+        offload.attach(model, names)  # the names of offload.presets (docs/hf.md)
+    if mesh is not None:
+        shard(model, mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(1)
+    out = {"losses": [], "ms": [], "offloaded": [], "peak": None,
+           "params": sum(p.numel() for p in model.parameters())}
+    for step in range(args.steps):
+        ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator).to(device)
+        if step == 1 and device.type == "cuda":  # step 0 allocates the optimizer state: warm-up
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        if names:
+            out["offloaded"].append(offload.end_iteration().total().bytes_offloaded)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        out["ms"].append((time.perf_counter() - start) * 1e3)
+        out["losses"].append(loss.detach().float().cpu())
+    if device.type == "cuda":
+        out["peak"] = torch.cuda.max_memory_allocated() / 2**20
+    full = lambda p: p.full_tensor() if hasattr(p, "full_tensor") else p  # noqa: E731
+    out["weights"] = {n: full(p.detach()).cpu() for n, p in model.named_parameters()}
+    if names:
+        offload.reset(release_pool=True)
+    return out
+
+
+def compare(plain: dict, off: dict) -> str | None:
+    """``None`` if both runs' losses and final weights are bitwise equal."""
+    for i, (a, b) in enumerate(zip(plain["losses"], off["losses"])):
+        if not torch.equal(a, b):
+            return f"loss of step {i}: {a.item()!r} vs {b.item()!r}"
+    for name, a in plain["weights"].items():
+        if not torch.equal(a, off["weights"][name]):
+            diff = (a.float() - off["weights"][name].float()).abs().max().item()
+            return f"weight {name}: max abs difference {diff:g}"
+    return None
+
+
+def report(model_name: str, names: str, plain: dict, off: dict, args: argparse.Namespace) -> bool:
+    rank0 = not (args.fsdp2 and torch.distributed.get_rank())
+    diff = compare(plain, off)
+    if rank0:
+        steady = lambda r: statistics.median(r["ms"][1:] or r["ms"])  # noqa: E731
+        print(f"\n{model_name} ({args.size}, {plain['params'] / 1e6:.1f}M parameters), batch {args.batch} x seq "
+              f"{args.seq}, {args.attn}, {args.device} {str(args.dtype).removeprefix('torch.')}"
+              f"{', FSDP2' if args.fsdp2 else ''}; offloaded names: {names}")
+        print(f"{'run':<10}{'peak MiB':>10}{'step ms':>10}{'offloaded MiB/step':>20}")
+        for label, r in (("plain", plain), ("offload", off)):
+            peak = f"{r['peak']:.0f}" if r["peak"] is not None else "n/a"
+            moved = f"{r['offloaded'][-1] / 2**20:.2f}" if r["offloaded"] else "-"
+            print(f"{label:<10}{peak:>10}{steady(r):>10.1f}{moved:>20}")
+        if plain["peak"] is not None:
+            saved, slower = plain["peak"] - off["peak"], steady(off) / steady(plain) - 1
+            print(f"memory saved: {saved:.0f} MiB; step time {slower:+.1%}")
+        else:
+            print("peak memory: n/a on the CPU (the CPU fallback runs the engine but saves nothing)")
+        print(f"losses and weights bitwise equal: {diff is None}" + (f" ({diff})" if diff else ""))
+    norms = [n for n in offload.parse_module_list(names) if n in ("attn_norm", "mlp_norm")]
+    if diff and norms and rank0:
+        print(f"expected with {', '.join(norms)}: the group marker on a norm's input changes the order in "
+              "which autograd sums the residual stream's gradient (docs/hf.md, Exactness)")
+    return diff is None or bool(norms)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=["llama", "qwen3_moe", "all"], default="llama")
+    p.add_argument("--size", choices=list(SIZES), default=None,
+                   help="model size (default: small on CUDA, tiny on the CPU)")
+    p.add_argument("--offload-modules", default=None, metavar="NAMES",
+                   help=f"offload names, comma-separated (default per model: {DEFAULT_NAMES})")
+    p.add_argument("--fsdp2", action="store_true", help="shard each decoder layer with FSDP2 (fully_shard)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default: 6 on CUDA, 2 on the CPU)")
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--seq", type=int, default=None)
+    p.add_argument("--attn", choices=["sdpa", "eager", "flash_attention_2"], default="sdpa")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--min-tensor-bytes", type=int, default=None,
+                   help="smallest saved tensor to offload (default: the library's 1 MiB on CUDA, 0 on the CPU)")
+    args = p.parse_args(argv)
+    cuda = torch.device(args.device).type == "cuda"
+    if cuda and args.fsdp2 and torch.device(args.device).index is None:  # one GPU per rank under torchrun
+        args.device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}"
+    args.size = args.size or ("small" if cuda else "tiny")
+    args.steps = args.steps or (6 if cuda else 2)
+    args.batch = args.batch or (4 if cuda else 2)
+    args.seq = args.seq or (1024 if cuda else 16)
+    if args.min_tensor_bytes is None:
+        args.min_tensor_bytes = offload.config.DEFAULT_MIN_TENSOR_BYTES if cuda else 0
+    args.dtype = torch.bfloat16 if cuda else torch.float32
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if torch.device(args.device).type == "cuda":
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    mesh = start_distributed(torch.device(args.device)) if args.fsdp2 else None  # before any CUDA work
+    ok = True
+    for model_name in (["llama", "qwen3_moe"] if args.model == "all" else [args.model]):
+        names = args.offload_modules or DEFAULT_NAMES[model_name]
+        plain = train(args, model_name, None, mesh)
+        off = train(args, model_name, names, mesh)
+        ok = report(model_name, names, plain, off, args) and ok
+    if mesh is not None:
+        torch.distributed.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
