@@ -164,7 +164,33 @@ def report(model_name: str, names: str, plain: dict, off: dict, args: argparse.N
     if diff and norms and rank0:
         print(f"expected with {', '.join(norms)}: the group marker on a norm's input changes the order in "
               "which autograd sums the residual stream's gradient (docs/hf.md, Exactness)")
+    if args.json and rank0:
+        write_record(args.json, model_name, names, plain, off, diff is None, args)
     return diff is None or bool(norms)
+
+
+def write_record(path: str, model_name: str, names: str, plain: dict, off: dict, bitwise: bool,
+                 args: argparse.Namespace) -> None:
+    """Add this comparison to the JSON file ``path`` (``{"records": [...]}``, docs/results/hf.json):
+    step time (median after the first step) and peak allocated bytes with and without offloading,
+    and whether losses and final weights (so every step's gradients) were bitwise equal."""
+    import json
+    import shlex
+
+    steady = lambda r: statistics.median(r["ms"][1:] or r["ms"])  # noqa: E731
+    peak = lambda r: None if r["peak"] is None else int(r["peak"] * 2**20)  # noqa: E731
+    record = {
+        "model": f"{model_name} {args.size} ({plain['params'] / 1e6:.0f}M parameters, batch {args.batch}, "
+                 f"seq {args.seq}, {args.attn}{', FSDP2' if args.fsdp2 else ''})",
+        "names": names, "step_ms": round(steady(off), 2), "peak_bytes": peak(off),
+        "baseline_step_ms": round(steady(plain), 2), "baseline_peak_bytes": peak(plain),
+        "grads_bitwise": bitwise,
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "command": shlex.join(["python", "examples/hf_finetune.py", *sys.argv[1:]]),
+    }
+    records = json.load(open(path))["records"] if os.path.exists(path) else []
+    with open(path, "w") as f:
+        json.dump({"records": [*records, record]}, f, indent=1)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -180,6 +206,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--attn", choices=["sdpa", "eager", "flash_attention_2"], default="sdpa")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--json", metavar="PATH", help="add each comparison as a record to this JSON file "
+                   "(docs/results/hf.json's fields)")
     p.add_argument("--min-tensor-bytes", type=int, default=None,
                    help="smallest saved tensor to offload (default: the library's 1 MiB on CUDA, 0 on the CPU)")
     args = p.parse_args(argv)
@@ -199,7 +227,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if torch.device(args.device).type == "cuda":
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.use_deterministic_algorithms(True)  # warn_only would leave cuDNN attention non-deterministic
     mesh = start_distributed(torch.device(args.device)) if args.fsdp2 else None  # before any CUDA work
     ok = True
     for model_name in (["llama", "qwen3_moe"] if args.model == "all" else [args.model]):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -24,10 +25,15 @@ def _run(*args: str) -> str:
     return out.stdout
 
 
-def test_hf_finetune_llama_and_qwen3_moe():
-    out = _run("--model", "all", "--steps", "2")
+def test_hf_finetune_llama_and_qwen3_moe(tmp_path):
+    out = _run("--model", "all", "--steps", "2", "--json", str(tmp_path / "hf.json"))
     assert out.count("losses and weights bitwise equal: True") == 2
     assert "offloaded names: core_attn,qkv_linear,router,experts" in out
+    records = json.loads((tmp_path / "hf.json").read_text())["records"]
+    assert [r["model"].split()[0] for r in records] == ["llama", "qwen3_moe"]
+    assert all(set(r) == {"model", "names", "step_ms", "peak_bytes", "baseline_step_ms", "baseline_peak_bytes",
+                          "grads_bitwise", "device", "command"} for r in records)
+    assert all(r["grads_bitwise"] is True and r["device"] == "cpu" and r["step_ms"] > 0 for r in records)
 
 
 def test_hf_finetune_fsdp2():
