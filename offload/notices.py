@@ -20,7 +20,7 @@ def say_once(key: str, message: str, stacklevel: int = 2) -> None:
 
 
 def nothing_offloaded(stats: IterationStats, modules: Sequence[str], declared: Iterable[str],
-                      below_min: tuple[int, int], min_tensor_bytes: int) -> str | None:
+                      below_min: Sequence[int], min_tensor_bytes: int) -> str | None:
     """Why an iteration (``stats``) offloaded nothing, with its numbers; ``None`` if it
     offloaded something or offloading is not in use (no name configured, none attached or
     opened). ``declared``: the group names the model has; ``below_min``: saved
@@ -64,6 +64,6 @@ def nothing_offloaded(stats: IterationStats, modules: Sequence[str], declared: I
 def warn_if_nothing_offloaded(stats: IterationStats, modules: Sequence[str], declared: Iterable[str],
                               below_min: Sequence[int], min_tensor_bytes: int) -> None:
     """Warn (a `RuntimeWarning`) with `nothing_offloaded`'s reason, if there is one."""
-    note = nothing_offloaded(stats, modules, declared, (below_min[0], below_min[1]), min_tensor_bytes)
+    note = nothing_offloaded(stats, modules, declared, below_min, min_tensor_bytes)
     if note is not None:
         warnings.warn(note, RuntimeWarning, stacklevel=4)

@@ -232,6 +232,7 @@ CUDA_ONLY_SCRIPTS = {
     "bench_layer_stack": ("benchmarks/bench_layer_stack.py", ["--out", "out"]),
     "graph_pool_trace": ("benchmarks/graph_pool_trace.py", []),
     "graphs": ("benchmarks/graphs.py", ["--out", "out"]),
+    "copy_issue": ("benchmarks/copy_issue.py", []),
     "offload.tools.bandwidth": ("offload/tools/bandwidth.py", []),
     "offload.tools.memory": ("offload/tools/memory.py", ["--modules", "core_attn", "--device", "cuda"]),
 }
