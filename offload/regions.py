@@ -5,13 +5,26 @@ A group needs two things from the code it wraps:
 * its extent in forward, to collect the tensors autograd saves inside it (the manager pushes
   its saved-tensor hooks while the group is open);
 * a signal in backward when the group's backward is over, so the engine can reload the group
-  that comes next without doubling the memory peak. That signal is an identity autograd
-  function applied to the group's inputs (`_GroupStart`): its backward runs once the
-  gradients of all those inputs exist, i.e. after the group's whole backward.
+  that comes next without doubling the memory peak (Note [1]).
 
 Without inputs (``with offload.group("x"):`` alone) a group still offloads and stays
 correct, but nothing prefetches the group before it, which is then reloaded when backward
 first needs it (not overlapped). `attach` passes the module's tensor arguments for you.
+
+Note [1]: the backward signal adds no autograd node.
+    A gradient hook on each of the group's inputs that require grad (`_BackwardSignal`) runs
+    once that input's gradient is complete, just before its producer's backward: after the
+    group's whole backward. When the hooks of all the inputs have run, the engine hears that
+    the group's backward is over. An identity autograd function on the inputs would say the
+    same, but as a node of its own it changes the order in which autograd sums the gradient of
+    an input with three or more consumers (transformers' RMSNorm in fp32), and so the last bit
+    of the gradients even with nothing offloaded.
+    The hooks count per backward pass (graph task), so a second backward through a retained
+    graph signals again. An input whose gradient is never computed (it does not reach the loss
+    through differentiable ops) leaves its group without a signal: that group's successor is
+    then reloaded on demand, correct but not overlapped. The hooks hold only a weak reference
+    to the group; when the group is gone, a callback removes them, so a leaf input (whose hooks
+    live on the tensor, not in the graph) does not collect them across iterations.
 """
 
 from __future__ import annotations
@@ -30,33 +43,36 @@ from .errors import OffloadError, OffloadTypeError, OffloadValueError, UnknownMo
 from .manager import PipelineOffloadManager
 
 
-class _GroupStart(torch.autograd.Function):
-    """Identity on the group's inputs; its backward marks the end of the group's backward."""
+class _BackwardSignal:
+    """Tells ``manager`` that ``group``'s backward is over once every input's gradient hook
+    has run in a backward pass (Note [1])."""
 
-    @staticmethod
-    def forward(ctx: Any, manager: PipelineOffloadManager, group: Any, *tensors: torch.Tensor) -> Any:
-        ctx.manager = manager
-        ctx.group = group
-        return tensors if len(tensors) > 1 else tensors[0]
+    __slots__ = ("manager", "group_ref", "inputs", "pending", "graph_task")
 
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        ctx.manager.on_group_backward_done(ctx.group)
-        return (None, None, *grads)
+    def __init__(self, manager: PipelineOffloadManager, group: Any, tensors: list[torch.Tensor]) -> None:
+        self.manager = manager
+        self.inputs = self.pending = len(tensors)
+        self.graph_task = None
+        handles = [t.register_hook(self.on_gradient) for t in tensors]
+        self.group_ref = weakref.ref(group, lambda _, handles=handles: [h.remove() for h in handles])
+
+    def on_gradient(self, grad: torch.Tensor | None) -> None:
+        task = torch._C._current_graph_task_id()
+        if task != self.graph_task:  # a new backward pass
+            self.graph_task, self.pending = task, self.inputs
+        self.pending -= 1
+        if self.pending == 0:
+            group = self.group_ref()
+            if group is not None:
+                self.manager.on_group_backward_done(group)
 
 
-def _mark_inputs(group: Any, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """Apply the start marker to the tensors that require grad; others pass unchanged."""
-    idx = [i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not idx:
-        return tensors
-    marked = _GroupStart.apply(PipelineOffloadManager.get(), group, *(tensors[i] for i in idx))
-    if len(idx) == 1:
-        marked = (marked,)
-    out = list(tensors)
-    for i, t in zip(idx, marked):
-        out[i] = t
-    return tuple(out)
+def _signal_backward_done(group: Any, tensors: Iterable[Any]) -> None:
+    """Hook the tensors among ``tensors`` that require grad so that the end of ``group``'s
+    backward reaches the engine (Note [1]); the tensors themselves are left as they are."""
+    inputs = [t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad]
+    if inputs:
+        _BackwardSignal(PipelineOffloadManager.get(), group, inputs)
 
 
 class group:
@@ -64,9 +80,9 @@ class group:
 
     ``with offload.group("core_attn", q, k, v) as (q, k, v): out = attention(q, k, v)``
 
-    Pass the region's input tensors and use the returned ones inside the region: their
-    backward tells the engine that the group's backward is over (see the module docstring).
-    The context value is ``None`` without inputs, the tensor for one input, else a tuple.
+    Pass the region's input tensors: when their gradients are complete, the engine knows that
+    the group's backward is over (Note [1]). They are returned unchanged, as the context value:
+    ``None`` without inputs, the tensor for one input, else a tuple.
     If ``name`` is not in the config's ``modules`` or no graph is recorded (``no_grad``), the
     region runs exactly as without it. Opening a group inside a group of the same name raises.
     """
@@ -80,9 +96,9 @@ class group:
         self._manager = None
 
     def __enter__(self) -> Any:
-        tensors = self.tensors
         if not torch.compiler.is_compiling():  # traced by torch.compile: no group (docs/compile.md)
-            tensors = _open_eagerly(self)
+            _open_eagerly(self)
+        tensors = self.tensors
         if not tensors:
             return None
         return tensors[0] if len(tensors) == 1 else tensors
@@ -91,10 +107,11 @@ class group:
         if not torch.compiler.is_compiling():
             _close_eagerly(self)
 
-    def _open(self) -> tuple[torch.Tensor, ...]:
+    def _open(self) -> None:
         self._manager = manager = PipelineOffloadManager.get()
         self._group = g = manager.open_group(self.name)
-        return _mark_inputs(g, self.tensors) if g is not None and self.tensors else self.tensors
+        if g is not None and self.tensors:
+            _signal_backward_done(g, self.tensors)
 
     def _close(self) -> None:
         self._manager.close_group(self._group, self.name)
@@ -173,24 +190,14 @@ def _module_hooks(module: nn.Module, name: str) -> list[Any]:
     stack: list[group | None] = []
 
     @torch.compiler.disable
-    def open_region(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        region = group(name)
+    def open_region(args: tuple, kwargs: dict) -> None:
+        region = group(name, *args, *kwargs.values())
         try:
             region._open()  # a failed open leaves nothing open (`open_group` undoes itself)
         except BaseException:
             stack.append(None)
             raise
         stack.append(region)
-        g = region._group
-        if g is None:
-            return args, kwargs
-        keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
-        flat = (*args, *(kwargs[k] for k in keys))
-        marked = _mark_inputs(g, flat)
-        new_kwargs = dict(kwargs)
-        for k, t in zip(keys, marked[len(args):]):
-            new_kwargs[k] = t
-        return marked[: len(args)], new_kwargs
 
     @torch.compiler.disable
     def close_region() -> None:
@@ -200,8 +207,9 @@ def _module_hooks(module: nn.Module, name: str) -> list[Any]:
         if region is not None:
             region._close()
 
-    def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        return None if torch.compiler.is_compiling() else open_region(args, kwargs)
+    def pre(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not torch.compiler.is_compiling():
+            open_region(args, kwargs)
 
     def post(mod: nn.Module, args: tuple, output: Any) -> None:
         if not torch.compiler.is_compiling():
