@@ -276,7 +276,7 @@ class CopyQueue:
             before.record(stream)
             stream.wait_event(event)
             after.record(stream)
-            self.stats.time(kind, name, before, after)
+            self.stats.time(kind, name, before, after, stream)
         else:
             stream.wait_event(event)
 

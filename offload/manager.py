@@ -12,7 +12,7 @@ calls `open_group`/`close_group`; autograd calls the saved-tensor hooks (`_pack`
 | one chunk forward's groups and records | `chunk_handler.ChunkOffloadHandler` |
 | one group's state machine, records and handles | `group.OffloadGroup` |
 | CUDA graph capture sessions and regions | `capture.CaptureSessions` (`captures`) |
-| statistics of the iteration | `stats.StatsRecorder` (`stats`) |
+| statistics of the iteration; the copy-wait notice | `stats.StatsRecorder` (`stats`); `copy_wait.CopyWaitProbe` |
 | pinned host buffers | `pinned_pool.PinnedHostPool` (`pool`) |
 | which saved tensors may leave the GPU | `policy.TensorPolicy` (`policy`) |
 """
@@ -67,7 +67,7 @@ class PipelineOffloadManager:
         self.device = self.streams.device
         self.pool = PinnedHostPool(pin=self.streams.is_cuda, max_bytes=config.max_pinned_bytes)
         self.policy = TensorPolicy(self.streams.owns, config.min_tensor_bytes)
-        self.stats = StatsRecorder()
+        self.stats = StatsRecorder.for_engine(self.streams, config)
         self.copies = CopyQueue(self.streams, self.pool, self.stats, config.max_inflight_groups,
                                 config.copy_chunk_bytes, config.timing)
         self.order = BackwardOrder()
@@ -212,7 +212,7 @@ class PipelineOffloadManager:
         self._open.pop()
         group.ready = self.streams.event()
         group.ready.record(group.stream)
-        self.stats[name].groups += 1
+        self.stats.closed(group)
         if self.captures.in_region:
             self.captures.plan_step(group)
         previous = group.handler.close_group(group)
@@ -223,8 +223,8 @@ class PipelineOffloadManager:
         self.copies.poll()
 
     def on_group_backward_done(self, group: OffloadGroup) -> None:
-        """Called after a group's backward finished (its start marker's backward ran):
-        reload the group that backward needs one layer later (same name)."""
+        """After a group's backward (its inputs' gradient hooks ran: Note [1] of
+        offload.regions), reload the group that backward needs one layer later (same name)."""
         handler = group.handler
         if handler.phase is HandlerPhase.RETIRED:
             return  # the engine was reset under this backward: nothing of it is left

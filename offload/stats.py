@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
+
+if TYPE_CHECKING:
+    from .copy_wait import CopyWaitProbe
 
 
 @dataclass
@@ -92,24 +95,55 @@ class IterationStats:
 
 class StatsRecorder:
     """Collects one iteration's statistics as the engine runs; `collect` turns them into
-    `IterationStats` (reading the CUDA timing events then) and starts the next iteration's."""
+    `IterationStats` (reading the CUDA timing events then) and starts the next iteration's.
 
-    def __init__(self) -> None:
-        self.clear()
+    ``probe``: the copy-wait notice's `offload.copy_wait.CopyWaitProbe`, fed the groups' closes
+    and the timed waits while it records, and each iteration's statistics; dropped once it is
+    done (`for_engine` makes one where the engine can time its copies)."""
 
-    def clear(self) -> None:
-        """Forget what was collected so far (`reset` after an aborted step)."""
+    def __init__(self, probe: "CopyWaitProbe | None" = None) -> None:
+        self.probe = probe
+        self._start()
+
+    @classmethod
+    def for_engine(cls, streams: Any, config: Any) -> "StatsRecorder":
+        """A recorder for an engine on ``streams`` with ``config`` (an `OffloadConfig`), with
+        a copy-wait probe where names are configured and copies are timed (CUDA, ``timing``)."""
+        from .copy_wait import CopyWaitProbe  # it imports this module
+
+        timed = streams.is_cuda and config.timing and config.enabled
+        return cls(CopyWaitProbe(streams, config.max_inflight_groups) if timed else None)
+
+    def _start(self) -> None:
         self.by_name: dict[str, GroupStats] = defaultdict(GroupStats)
         self._timings: list[tuple[str, str, Any, Any]] = []
         self._max_inflight = 0
         self.handlers = 0
 
+    def clear(self) -> None:
+        """Forget what was collected so far (`reset` after an aborted step): the probe does not
+        measure this iteration."""
+        if self.probe is not None:
+            self.probe.abort()
+        self._start()
+
     def __getitem__(self, name: str) -> GroupStats:
         return self.by_name[name]
 
-    def time(self, kind: str, name: str, start: Any, end: Any) -> None:
-        """Add the time between two CUDA events to field ``kind`` of ``name``, at `collect`."""
+    def closed(self, group: Any) -> None:
+        """``group`` (an `OffloadGroup`) closed."""
+        self.by_name[group.name].groups += 1
+        probe = self.probe
+        if probe is not None and probe.recording:
+            probe.note_close(group)
+
+    def time(self, kind: str, name: str, start: Any, end: Any, waiting: Any = None) -> None:
+        """Add the time between two CUDA events to field ``kind`` of ``name``, at `collect`;
+        ``waiting``: the stream that stood still between them, for a wait."""
         self._timings.append((kind, name, start, end))
+        probe = self.probe
+        if waiting is not None and probe is not None and probe.recording:
+            probe.note_wait(waiting, start, end)
 
     def note_inflight(self, count: int) -> None:
         if count > self._max_inflight:
@@ -133,5 +167,7 @@ class StatsRecorder:
             max_inflight_groups=self._max_inflight,
             handlers=self.handlers,
         )
-        self.clear()
+        self._start()
+        if self.probe is not None and self.probe.end_iteration(out):
+            self.probe = None
         return out

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import copy
 import gc
+import warnings
 
 import pytest
 import torch
 
 import offload
 from conftest import CUDA_ONLY, SPIN_CYCLES, reproducible, seeded_pair, slow_side_streams
-from offload.testing import GPT_MAPPING, build_gpt, first_difference, train_step
+from offload import notices
+from offload.testing import GPT_MAPPING, build_gpt, first_difference, slow_copy_streams, train_step
 
 pytestmark = [*CUDA_ONLY, pytest.mark.usefixtures("deterministic")]
 
@@ -160,6 +162,43 @@ def test_timing_statistics_are_plausible(configure):
     h2d = total.bytes_reloaded / total.h2d_ms / 1e6
     print(f"achieved D2H {d2h:.1f} GB/s, H2D {h2d:.1f} GB/s")
     assert 1 < d2h < 1000 and 1 < h2d < 1000
+
+
+@pytest.mark.parametrize("slowed", [True, False], ids=["slowed_copies", "small_copies"])
+def test_copy_wait_notice(configure, monkeypatch, slowed):
+    """Copies slowed by a spin of about 10 ms each (`offload.testing.slow_copy_streams`): after
+    iterations 2-4 the engine says once that the compute stream waited for them, naming each
+    name with its measured figures. The control, the same small copies at full speed: nothing
+    said, and the probe decided that (it is gone, its events with it)."""
+    monkeypatch.setattr(notices, "_said", set())  # as in a fresh process
+    hidden, heads, layers, seq, batch = 256, 4, 4, 128, 2  # copies under about 2 MB per group
+    names = ["qkv_linear", "core_attn", "fc1"]
+    model = build_gpt(hidden, heads, layers, device="cuda")
+    manager = configure(names, min_tensor_bytes=1024, device="cuda")
+    offload.attach(model, GPT_MAPPING)
+    if slowed:
+        slow_copy_streams(monkeypatch, 10 * SPIN_CYCLES)
+    probe = manager.stats.probe
+    x, g = seeded_pair(0, seq, batch, hidden, dtype=torch.float32, device="cuda")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(8):
+            train_step(model, x, g)
+            offload.end_iteration()
+    said = [str(w.message) for w in caught if "copies made the compute stream wait" in str(w.message)]
+    assert manager.stats.probe is None and probe.done
+    figures = {f.name: f for f in probe.figures}
+    print(probe.notice or f"no notice: waits {sum(f.wait_ms for f in figures.values()):.3f} ms of a "
+          f"{probe.step_ms:.3f} ms step")
+    assert sorted(figures) == sorted(names)
+    assert all(f.groups == 3 and f.layer_ms is not None and f.layer_ms > 0 for f in figures.values())
+    if not slowed:
+        assert said == [] and probe.notice is None
+        return
+    assert said == [probe.notice]
+    assert "measured in iterations 2, 3, 4;" in probe.notice
+    assert all(f"\n  {name}: 3 group(s) per step of " in probe.notice for name in names)
+    assert all(f.d2h_ms > 5.0 for f in figures.values())  # the spin runs in each copy
 
 
 def test_copies_call_the_cuda_runtime_directly():
