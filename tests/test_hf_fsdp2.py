@@ -1,4 +1,5 @@
-"""A tiny Llama under FSDP2 (``fully_shard``, world size 1, gloo on the CPU) with offloading.
+"""A tiny Llama under FSDP2 (``fully_shard``, world size 1) with offloading: gloo on the CPU,
+and NCCL on a GPU where there is one (the same tests, ``device`` "cuda").
 
 FSDP2 all-gathers each layer's parameters into fresh storages before its forward (and again
 before its backward) and registers them on the modules as ``nn.Parameter``s
@@ -30,20 +31,30 @@ from test_presets import token_ids, tiny_model  # noqa: E402
 NAMES = ["qkv_linear", "core_attn", "attn_proj", "fc1", "mlp_act", "fc2"]
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    """A one-rank gloo process group and its CPU device mesh."""
-    from torch.distributed.device_mesh import init_device_mesh
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 
+
+@pytest.fixture(scope="module")
+def process_group():
+    """A one-rank process group: gloo for CPU tensors, and NCCL for CUDA tensors where CUDA is."""
     started = not dist.is_initialized()
     if started:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,))
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
     if started:
         dist.destroy_process_group()
+
+
+@pytest.fixture(params=DEVICES)
+def mesh(request, process_group):
+    """The device mesh of the one rank, on the CPU or on the GPU."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(request.param, (1,))
 
 
 def shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
@@ -82,19 +93,20 @@ def unsharded_params_admitted(model: torch.nn.Module, monkeypatch) -> list[str]:
 def run_fsdp2(configure, mesh, monkeypatch, frozen: bool) -> list[str]:
     """Train the sharded tiny Llama with and without offloading; gradients must be bitwise
     equal and something offloaded. Returns what `unsharded_params_admitted` saw."""
-    model = tiny_model("llama", layers=3)
+    device = mesh.device_type
+    model = tiny_model("llama", layers=3).to(device)
     if frozen:  # LoRA-style: the projections' weights are frozen, their views saved for dgrad
         for name, p in model.named_parameters():
             if name.endswith("proj.weight"):
                 p.requires_grad_(False)
     ref = shard(copy.deepcopy(model), mesh)
-    configure(NAMES)
+    configure(NAMES, device=device)
     # attach before fully_shard: attach after it fails (test_attach_after_fully_shard)
     offload.attach(model, presets.mapping_for(model, NAMES))
     shard(model, mesh)
     admitted = unsharded_params_admitted(model, monkeypatch)
     for it in range(2):
-        ids = token_ids(it)
+        ids = token_ids(it).to(device)
         assert first_difference(fsdp2_step(ref, ids), fsdp2_step(model, ids)) is None
         stats = offload.end_iteration()
         assert sum(s.bytes_offloaded for s in stats.by_name.values()) > 0
@@ -102,13 +114,14 @@ def run_fsdp2(configure, mesh, monkeypatch, frozen: bool) -> list[str]:
     return admitted
 
 
-def test_fsdp2_gradients_bitwise_equal_and_no_unsharded_parameter_offloaded(configure, mesh, monkeypatch):
+def test_fsdp2_gradients_bitwise_equal_and_no_unsharded_parameter_offloaded(configure, mesh, monkeypatch,
+                                                                           deterministic):
     """Trainable parameters: the policy refuses the unsharded parameters and their views (a
     leaf that requires grad, or a view of one), whatever their storage."""
     assert run_fsdp2(configure, mesh, monkeypatch, frozen=False) == []
 
 
-def test_fsdp2_frozen_unsharded_parameter_views_are_refused(configure, mesh, monkeypatch):
+def test_fsdp2_frozen_unsharded_parameter_views_are_refused(configure, mesh, monkeypatch, deterministic):
     """Frozen parameters: a view of FSDP2's unsharded parameter (``weight.t()``), in a fresh
     storage that attach() never saw, is refused because its base is a parameter."""
     assert run_fsdp2(configure, mesh, monkeypatch, frozen=True) == []
@@ -116,8 +129,8 @@ def test_fsdp2_frozen_unsharded_parameter_views_are_refused(configure, mesh, mon
 
 def test_attach_after_fully_shard(configure, mesh):
     """attach() after fully_shard: the DTensor parameters' local shards are blocked."""
-    model = shard(tiny_model("llama"), mesh)
-    configure(NAMES)
+    model = shard(tiny_model("llama").to(mesh.device_type), mesh)
+    configure(NAMES, device=mesh.device_type)
     handle = offload.attach(model, presets.mapping_for(model, NAMES))
     policy = offload.get_manager().policy
     for param in model.parameters():
