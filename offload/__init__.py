@@ -13,14 +13,17 @@ them, with gradients bitwise identical to training without offloading.
         stats = offload.end_iteration()
 
 or around any code: ``with offload.group("core_attn", q, k, v) as (q, k, v): ...``.
+Or give a memory budget and let the planner choose what to offload and what to recompute:
+``offload.plan(model, mapping, step, memory_budget="-4GiB")`` (docs/planner.md).
 See ``docs/design.md`` for how the engine works.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
+from torch import nn
 
 from .chunk_handler import ChunkOffloadHandler
 from .config import DEFAULT_MIN_TENSOR_BYTES, OffloadConfig, check_device, parse_module_list
@@ -28,6 +31,7 @@ from .errors import (OffloadError, OffloadTypeError, OffloadValueError, SavedTen
                      UnknownModuleError)
 from .group_policy import GroupInfo, GroupPolicy
 from .manager import PipelineOffloadManager
+from .planner.budget import Budget
 from . import graphs, presets
 from .regions import AttachHandle, attach, group, mark_not_offload, never_offload
 from .stats import GroupStats, IterationStats
@@ -36,6 +40,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AttachHandle",
+    "Budget",
     "ChunkOffloadHandler",
     "GroupInfo",
     "GroupPolicy",
@@ -58,6 +63,7 @@ __all__ = [
     "mark_not_offload",
     "never_offload",
     "parse_module_list",
+    "plan",
     "presets",
     "reset",
     "set_schedule",
@@ -74,14 +80,32 @@ def configure(
     timing: bool = True,
     policy: GroupPolicy | None = None,
     device: torch.device | str | None = None,
+    memory_budget: Budget | str | int | None = None,
+    model: nn.Module | None = None,
+    mapping: Mapping[str, str] | str | Sequence[str] | None = None,
+    step: Callable[[], None] | None = None,
 ) -> PipelineOffloadManager:
     """Install the process-wide engine with a new `OffloadConfig` (see its fields).
 
     ``modules`` takes ``"core_attn,expert_fc1"``, ``"core_attn expert_fc1"`` or a list.
     ``policy`` picks which of those groups to offload (`offload.group_policy`; default: all).
     ``device`` defaults to the current CUDA device, or the CPU fallback without CUDA.
+
+    ``modules="auto"`` lets the planner choose, for ``memory_budget`` (``"20GiB"``, ``"-4GiB"``,
+    ``"-30%"``, ``"fit:10%"``: `Budget`), which of ``mapping``'s modules of ``model`` to
+    offload and which regions to recompute, by profiling ``step()`` (one forward and backward);
+    it applies the plan (``attach`` included), prints why, and `offload.planner.active_plan()`
+    returns it. The same as `offload.plan` (docs/planner.md), which returns the plan.
+
     Bad arguments raise `OffloadTypeError` / `OffloadValueError` and leave the engine as it was.
     """
+    if isinstance(modules, str) and modules.strip() == "auto":
+        _plan_automatically(memory_budget, model, mapping, step, min_tensor_bytes, max_inflight_groups,
+                            max_pinned_bytes, copy_chunk_bytes, timing, policy, device)
+        return PipelineOffloadManager.get()
+    if memory_budget is not None or model is not None or mapping is not None or step is not None:
+        raise OffloadValueError("offload: configure()'s memory_budget, model, mapping and step are for "
+                                "modules='auto' (the planner); with module names, attach() the model yourself")
     if device is not None:
         device = check_device(device)
     config = OffloadConfig(
@@ -94,6 +118,36 @@ def configure(
         policy=policy,
     )
     return PipelineOffloadManager.configure(config, device)
+
+
+def _plan_automatically(memory_budget: Any, model: Any, mapping: Any, step: Any, min_tensor_bytes: int,
+                        max_inflight_groups: int, max_pinned_bytes: int | None, copy_chunk_bytes: int,
+                        timing: bool, policy: Any, device: Any) -> None:
+    """``configure(modules="auto", ...)``: check the arguments at once, then `plan`."""
+    if memory_budget is None:
+        raise OffloadValueError("offload: configure(modules='auto') needs memory_budget= ('20GiB', '-4GiB', "
+                                "'-30%' or 'fit:10%')")
+    Budget.parse(memory_budget)
+    missing = [k for k, v in (("model", model), ("mapping", mapping), ("step", step)) if v is None]
+    if missing:
+        raise OffloadValueError(f"offload: configure(modules='auto') plans on a step of the model: give "
+                                f"{', '.join(f'{k}=' for k in missing)} (or call offload.plan(model, mapping, step, budget))")
+    if max_inflight_groups != 1 or policy is not None:
+        raise OffloadValueError("offload: with modules='auto' the plan chooses max_inflight_groups and offloads "
+                                "every group of its names; leave max_inflight_groups and policy unset")
+    from .planner import plan as make_plan
+
+    make_plan(model, mapping, step, memory_budget, device=device, min_tensor_bytes=min_tensor_bytes,
+              engine={"max_pinned_bytes": max_pinned_bytes, "copy_chunk_bytes": copy_chunk_bytes, "timing": timing})
+
+
+def __getattr__(name: str) -> Any:
+    """`plan` is imported on first use: it brings the workflow tools, which the engine does not need."""
+    if name == "plan":
+        from .planner import plan
+
+        return plan
+    raise AttributeError(f"module 'offload' has no attribute {name!r}")
 
 
 def get_manager() -> PipelineOffloadManager:

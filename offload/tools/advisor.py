@@ -14,7 +14,18 @@ The model, on the profile's saved storages (`offload.tools.profile_modules`):
 * **Recomputed bytes**: recomputing a name drops the storages created inside its instances
   (outputs and internals) that anything saved, for every instance but the last one (whose
   recompute runs at the start of backward). Its inputs stay. A storage both recomputed and
-  offloaded counts once, as recomputed.
+  offloaded counts once, as recomputed. This is recompute that discards the module's output too
+  (Megatron's output-discarding recompute), the advisor's ``--recompute-modules``.
+* **Checkpointed regions** (``checkpoint=``; what `offload.plan` applies, through non-reentrant
+  `torch.utils.checkpoint`): a region is a named module or a container of several (a layer, its
+  MLP), given by the profile's ``regions`` facts (`offload.planner.structure`). Every save made
+  inside a checkpointed instance is dropped; the instance saves its tensor inputs instead. A
+  storage that nothing saves any more is recomputed (freed at the peak unless it belongs to the
+  last instance, whose recompute runs at the start of backward); one that a module outside still
+  saves stays, so checkpointing a module alone frees only what nothing outside it saves. The
+  inputs a checkpointed region keeps can be offloaded too (it is then a group of its own: the
+  "memory-free" layer). Recompute costs the forward time of the named modules inside, once
+  more, and lengthens the backward that hides the reloads.
 * **Forward time**: the engine's own schedule, simulated on the profile's forward (each module
   instance's measured forward time, scaled so that a layer takes the measured layer forward).
   All offloaded names share one device-to-host stream, so copies run one after another. The
@@ -65,6 +76,13 @@ EXHAUSTIVE_MAX_NAMES = 10
 """Above this many names the budget search is greedy instead of exhaustive."""
 
 
+Label = tuple[str, int]
+"""An instance: ``(name or region, index)``."""
+Row = tuple[int, bool, list[Label | None]]
+"""A saved storage as the offloading rules see it: bytes, eligible, savers (``None``: outside
+every named module)."""
+
+
 @dataclass
 class Prediction:
     """What one assignment does, by the model above. Bytes per step, times in ms."""
@@ -72,6 +90,7 @@ class Prediction:
     offload: list[str]
     recompute: list[str]
     max_inflight_groups: int = 1
+    checkpoint: list[str] = field(default_factory=list)
     offloaded_by_name: dict[str, int] = field(default_factory=dict)
     bytes_per_group: dict[str, int] = field(default_factory=dict)
     forward_wait_by_name: dict[str, float] = field(default_factory=dict)
@@ -96,6 +115,32 @@ class Prediction:
         return asdict(self)
 
 
+@dataclass
+class CheckpointFacts:
+    """What checkpointed regions need beyond the profile's storages, from its ``regions`` entry
+    (written by `offload.planner.structure.record`): the containers (modules holding several
+    named modules), the container instances each name or container instance lies in, the storages
+    each instance takes as tensor inputs (what its checkpoint saves), and, for saves made outside
+    every named module, the container instances around each of them."""
+
+    members: dict[str, list[str]]
+    instances: dict[str, int]
+    within: dict[Label, tuple[Label, ...]]
+    inputs: dict[Label, list[int]]
+    other: dict[int, list[tuple[Label, ...]]]
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "CheckpointFacts":
+        containers = data["containers"]
+        return cls(
+            members={c: list(v["members"]) for c, v in containers.items()},
+            instances={c: int(v["instances"]) for c, v in containers.items()},
+            within={split_label(k): tuple(split_label(x) for x in v) for k, v in data["within"].items()},
+            inputs={split_label(k): [int(x) for x in v] for k, v in data["inputs"].items()},
+            other={int(k): [tuple(split_label(x) for x in st) for st in v] for k, v in data["other"].items()},
+        )
+
+
 class Model:
     """The profile's facts in the form the predictions need."""
 
@@ -117,6 +162,14 @@ class Model:
         self.storages = [self._parse(s) for s in profile["storages"]]
         self.segments = self._segments("fwd_ms", profile["forward_ms"])
         self.bwd_segments = self._segments("bwd_ms", profile["backward_ms"])
+        self.facts = CheckpointFacts.from_json(profile["regions"]) if profile.get("regions") else None
+        self.containers: dict[str, list[str]] = dict(self.facts.members) if self.facts else {}
+        self._close_at = dict(self.position)  # a container instance closes with its last named module
+        for inst, around in (self.facts.within.items() if self.facts else ()):
+            for c in around:
+                if inst in self.position:
+                    self._close_at[c] = max(self._close_at.get(c, -1), self.position[inst])
+        self._checkpointed_rows: dict[frozenset[str], tuple[list[Row], int, float]] = {}
 
     def _segments(self, key: str, total: float) -> list[float]:
         """Compute time from the close of the previous instance to the close of each instance in
@@ -140,7 +193,21 @@ class Model:
         return int(s["bytes"]), bool(s["eligible"]), savers, created
 
     def is_last(self, name: str, i: int) -> bool:
-        return i == self.instances[name] - 1
+        """Whether ``i`` is the last instance of a name or container."""
+        count = self.instances.get(name)
+        return i == (self.facts.instances[name] if count is None else count) - 1
+
+    def members(self, region: str) -> list[str]:
+        """The named modules a region holds: itself for a name, its members for a container."""
+        return self.containers.get(region, [region])
+
+    def inside(self, inner: str, outer: str) -> bool:
+        """Whether region ``inner`` lies within region ``outer`` (and is not it)."""
+        return inner != outer and set(self.members(inner)) <= set(self.members(outer))
+
+    def saved_bytes(self) -> int:
+        """Every storage the step saves, once."""
+        return sum(nbytes for nbytes, *_ in self.storages)
 
     def recompute_ms(self, name: str) -> float:
         """The forward time of every instance of ``name``: what recomputing it costs per step."""
@@ -149,7 +216,7 @@ class Model:
     def launch_order(self, by_group: dict[tuple[str, int], int]) -> list[tuple[int, tuple[str, int]]]:
         """``(position in close_order at which the copy is launched, group)``, in launch order:
         a group's copy is launched when the next instance of its name closes."""
-        out = [(self.position.get((n, i + 1), len(self.close_order)), (n, i)) for (n, i) in by_group]
+        out = [(self._close_at.get((n, i + 1), len(self.close_order)), (n, i)) for (n, i) in by_group]
         return sorted(out)
 
     def forward_waits(self, by_group: dict[tuple[str, int], int], inflight: int,
@@ -190,24 +257,117 @@ class Model:
             wait_for(end, n)
         return waits
 
-    def predict(self, offload: Iterable[str] = (), recompute: Iterable[str] = (),
-                max_inflight_groups: int = 1) -> Prediction:
-        offload, recompute = list(offload), list(recompute)
-        unknown = sorted((set(offload) | set(recompute)) - set(self.names))
+    def _recomputed_rows(self, rec: set[str]) -> tuple[list[Row], int, float]:
+        """The storages under output-discarding recompute of the names ``rec``: those created
+        inside them are gone (freed unless created in the last instance)."""
+        rows: list[Row] = []
+        freed = 0
+        for nbytes, eligible, savers, created in self.storages:
+            if created is not None and created[0] in rec:
+                if not self.is_last(*created):
+                    freed += nbytes
+                continue
+            rows.append((nbytes, eligible, savers))
+        return rows, freed, sum(self.recompute_ms(n) for n in rec)
+
+    def _checkpoint_rows(self, regions: frozenset[str]) -> tuple[list[Row], int, float]:
+        """The storages with ``regions`` checkpointed (module docstring), the bytes recomputed
+        and freed at the peak, and the recompute time. Cached per set of regions."""
+        if regions in self._checkpointed_rows:
+            return self._checkpointed_rows[regions]
+        f = self.facts
+
+        def checkpointed(inst: Label) -> Label | None:
+            """The checkpointed instance that ``inst`` is or lies in."""
+            if inst[0] in regions:
+                return inst
+            return next((c for c in f.within.get(inst, ()) if c[0] in regions), None)
+
+        takers: dict[int, list[Label]] = {}  # storage -> checkpointed instances that take it as input
+        for inst, storages in f.inputs.items():
+            if inst[0] in regions:
+                for k in storages:
+                    takers.setdefault(k, []).append(inst)
+        rows: list[Row] = []
+        freed = 0
+        for k, (nbytes, eligible, savers, _) in enumerate(self.storages):
+            kept: list[Label | None] = []
+            dropped: list[Label] = []
+            for s in savers:
+                if s is None:  # saved outside named modules: kept if one such save is outside every region
+                    stacks = f.other.get(k, [()])
+                    inner = [next((c for c in st if c[0] in regions), None) for st in stacks]
+                    if None in inner:
+                        kept.append(None)
+                    dropped += [c for c in inner if c is not None]
+                    continue
+                c = checkpointed(s)
+                if c is None:
+                    kept.append(s)
+                else:  # the checkpoint saves its inputs where the module inside saved them
+                    dropped.append(c)
+                    if c in takers.get(k, ()):
+                        kept.append(c)
+            kept += takers.get(k, [])
+            kept = list(dict.fromkeys(kept))
+            if kept:
+                rows.append((nbytes, eligible, kept))
+            elif dropped and not any(self.is_last(*c) for c in dropped):
+                freed += nbytes
+        ms = 0.0
+        for n, i in self.close_order:
+            if checkpointed((n, i)) is not None:
+                v = self.profile["modules"][n]["fwd_ms"]
+                ms += float(v[i]) if i < len(v) and v[i] is not None else 0.0
+        self._checkpointed_rows[regions] = result = (rows, freed, ms)
+        return result
+
+    def _check_assignment(self, offload: list[str], recompute: list[str], checkpoint: list[str],
+                          max_inflight_groups: int) -> None:
+        regions = set(self.names) | set(self.containers)
+        unknown = sorted((set(offload) - regions) | (set(recompute) - set(self.names)) | (set(checkpoint) - regions))
         if unknown:
-            raise ValueError(f"unknown module name(s) {unknown}; the profile has {self.names}")
+            raise ValueError(f"unknown module name(s) {unknown}; the profile has {self.names}"
+                             + (f" and the regions {sorted(self.containers)}" if self.containers else ""))
         if set(offload) & set(recompute):
             raise ValueError(f"a name cannot be both offloaded and recomputed: {sorted(set(offload) & set(recompute))}")
         if max_inflight_groups < 1:
             raise ValueError(f"max_inflight_groups must be >= 1, got {max_inflight_groups}")
-        off, rec = set(offload), set(recompute)
-        pred = Prediction(offload=offload, recompute=recompute, max_inflight_groups=max_inflight_groups)
-        by_group: dict[tuple[str, int], int] = {}
-        for nbytes, eligible, savers, created in self.storages:
-            if created is not None and created[0] in rec:
-                if not self.is_last(*created):
-                    pred.recomputed_bytes += nbytes
-                continue
+        if not checkpoint:
+            if set(offload) & set(self.containers):
+                raise ValueError(f"a region is offloaded (its inputs) only when checkpointed: "
+                                 f"{sorted(set(offload) & set(self.containers))}")
+            return
+        if self.facts is None:
+            raise ValueError("checkpointed regions need the profile's 'regions' facts (offload.plan records them)")
+        if recompute:
+            raise ValueError("recompute (output discarded) and checkpoint regions cannot be combined")
+        for a in checkpoint:
+            for b in checkpoint:
+                if self.inside(a, b):
+                    raise ValueError(f"checkpointed region {a!r} lies inside checkpointed region {b!r}")
+        for x in offload:
+            outer = [c for c in checkpoint if self.inside(x, c)]
+            if outer:
+                raise ValueError(f"{x!r} runs inside checkpointed region {outer[0]!r}: it saves nothing to offload")
+            if x in self.containers and x not in checkpoint:
+                raise ValueError(f"a region is offloaded (its inputs) only when checkpointed: {x!r}")
+
+    def predict(self, offload: Iterable[str] = (), recompute: Iterable[str] = (),
+                max_inflight_groups: int = 1, checkpoint: Iterable[str] = ()) -> Prediction:
+        """What offloading ``offload`` does with ``recompute`` recomputed (output discarded) or
+        ``checkpoint`` checkpointed; a checkpointed region in ``offload`` offloads its inputs."""
+        offload, recompute, checkpoint = list(offload), list(recompute), list(checkpoint)
+        self._check_assignment(offload, recompute, checkpoint, max_inflight_groups)
+        off = set(offload)
+        pred = Prediction(offload=offload, recompute=recompute, max_inflight_groups=max_inflight_groups,
+                          checkpoint=checkpoint)
+        if checkpoint:
+            rows, pred.recomputed_bytes, pred.recompute_ms = self._checkpoint_rows(frozenset(checkpoint))
+        else:
+            rows, pred.recomputed_bytes, pred.recompute_ms = self._recomputed_rows(set(recompute))
+        by_group: dict[Label, int] = {}
+        for nbytes, eligible, savers in rows:
             if not eligible or not savers or any(s is None or s[0] not in off for s in savers):
                 continue
             owner = savers[-1]
@@ -231,13 +391,15 @@ class Model:
         pred.d2h_ms_per_layer = sum(self.bw.copy_ms("d2h", b) for b in pred.bytes_per_group.values())
         pred.h2d_ms_per_layer = sum(self.bw.copy_ms("h2d", b) for b in pred.bytes_per_group.values())
         layers = max((len(v) for v in groups_per_name.values()), default=0)
-        d, h, wf, wb = pred.d2h_ms_per_layer, pred.h2d_ms_per_layer, self.fwd_window, self.bwd_window
-        pred.forward_wait_by_name = self.forward_waits(by_group, max_inflight_groups, off)
+        # a checkpointed region recomputes in backward: more compute for the reloads to hide behind
+        wb = self.bwd_window + (pred.recompute_ms / self.layers if checkpoint else 0.0)
+        d, h, wf = pred.d2h_ms_per_layer, pred.h2d_ms_per_layer, self.fwd_window
+        members = {n for x in off for n in self.members(x)}
+        pred.forward_wait_by_name = self.forward_waits(by_group, max_inflight_groups, members)
         pred.forward_wait_ms = sum(pred.forward_wait_by_name.values())
         pred.backward_exposed_ms = layers * max(0.0, h - wb)
         pred.exposed_ms = pred.forward_wait_ms + pred.backward_exposed_ms
         pred.slowdown_ms = layers * self.bw.compute_slowdown * (min(d, wf) + min(h, wb))
-        pred.recompute_ms = sum(self.recompute_ms(n) for n in rec)
         pred.cost_ms = pred.exposed_ms + pred.slowdown_ms + pred.recompute_ms
         pred.cost_pct = 100 * pred.cost_ms / self.profile["step_ms"]
         return pred

@@ -1,0 +1,101 @@
+"""A plan on a model: its regions run under `torch.utils.checkpoint`, its groups are offloaded.
+
+Checkpointing patches the forward of each region's module instance: the module's own forward
+runs inside non-reentrant `torch.utils.checkpoint` (what `offload.testing.Recomputed` does with
+a wrapper module). The module, its parameters' names and its state dict stay as they are, and its
+hooks run outside the checkpoint, so an offload group on a checkpointed module is open while the
+checkpoint saves the module's inputs: offloading them is the "memory-free" layer. Recompute runs
+the same forward with the same random state (``preserve_rng_state``), so gradients are bitwise
+those of the model without it. The offloaded groups go through `offload.configure` and
+`offload.attach`, as a user would call them.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import weakref
+from typing import Any, Callable
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..errors import OffloadValueError
+
+
+def checkpoint_modules(model: nn.Module, qualnames: list[str],
+                       context_fn: Callable[[], Any] | None = None) -> Callable[[], None]:
+    """Run the forward of each module ``qualnames`` names under non-reentrant checkpointing
+    (with ``context_fn``, a selective-checkpoint policy: `create_selective_checkpoint_contexts`);
+    returns the function that undoes it."""
+    undo = []
+    for qn in qualnames:
+        module = model.get_submodule(qn)
+        if "forward" in module.__dict__ and getattr(module.__dict__["forward"], "_offload_checkpointed", False):
+            raise OffloadValueError(f"offload: module {qn!r} is checkpointed already")
+        undo.append((module, module.__dict__.get("forward")))
+        module.forward = _checkpointed(module, context_fn)
+
+    def restore() -> None:
+        for module, before in reversed(undo):
+            if before is None:
+                del module.__dict__["forward"]
+            else:
+                module.forward = before
+        undo.clear()
+
+    return restore
+
+
+def _checkpointed(module: nn.Module, context_fn: Callable[[], Any] | None) -> Callable[..., Any]:
+    """``module``'s forward under checkpointing. It refers to ``module`` weakly: stored on the
+    module, a strong reference would make a cycle that keeps the module (and what it holds on
+    the GPU) alive after its last user lets it go, until the garbage collector runs."""
+    extra = {} if context_fn is None else {"context_fn": context_fn}
+    own = module.__dict__.get("forward")  # a forward set on the instance (it holds the module itself)
+    module_ref = weakref.ref(module)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        forward = own if own is not None else type(module_ref()).forward.__get__(module_ref())
+        return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
+
+    run._offload_checkpointed = True  # type: ignore[attr-defined]
+    return run
+
+
+def matching(model: nn.Module, pattern: str | list[str]) -> list[str]:
+    """The qualified names of the modules a pattern (or list of them) matches, outermost only."""
+    patterns = [pattern] if isinstance(pattern, str) else list(pattern)
+    hits = [qn for qn, _ in model.named_modules() if qn and any(fnmatch.fnmatchcase(qn, p) for p in patterns)]
+    return [qn for qn in hits if not any(qn.startswith(h + ".") for h in hits)]
+
+
+class Applied:
+    """``checkpoint`` (names of ``mapping`` or ``containers``) checkpointed and ``offload``
+    offloaded on ``model``, with the engine configured by ``engine`` (`offload.configure`'s
+    keyword arguments); `remove` takes all of it away and leaves an engine that offloads nothing."""
+
+    def __init__(self, model: nn.Module, mapping: dict[str, str], containers: dict[str, list[str]],
+                 checkpoint: tuple[str, ...], offload: tuple[str, ...], max_inflight_groups: int,
+                 engine: dict[str, Any]) -> None:
+        import offload as api
+
+        self.engine = engine
+        where = {**{n: matching(model, p) for n, p in mapping.items()}, **containers}
+        self._restore = checkpoint_modules(model, [qn for r in checkpoint for qn in where[r]])
+        self.handle = None
+        try:
+            api.configure(list(offload), max_inflight_groups=max_inflight_groups, **engine)
+            if offload:
+                self.handle = api.attach(model, {g: mapping.get(g, where[g]) for g in offload})
+        except BaseException:
+            self._restore()
+            raise
+
+    def remove(self) -> None:
+        import offload as api
+
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+        self._restore()
+        api.configure((), device=self.engine.get("device"))
