@@ -3,24 +3,44 @@
     python examples/megatron_gpt.py --model gpt --steps 20 --offload-modules=core_attn,fc1
     python examples/megatron_gpt.py --model moe --offload-modules core_attn expert_fc1
     torchrun --nproc-per-node 2 examples/megatron_gpt.py --pp 2 --vpp 2 --offload-modules=core_attn
+    python examples/megatron_gpt.py --model dense_16k --transformer-impl transformer_engine \\
+        --offload-modules qkv_linear,core_attn,attn_proj --system megatron
 
-A complete training loop the way Megatron-LM runs one: megatron-core's local layer spec (no
-Transformer Engine), ``Float16Module`` for bf16, Megatron's own ``forward_backward_func``
-(no pipelining, 1F1B, or the interleaved schedule with ``--vpp``), an AdamW step. Offloading is
-three lines: `add_arguments` on the parser, `apply_from_args` on the model chunks, ``.wrap`` on
-the schedule function. Without ``--offload-modules`` they change nothing.
+A complete training loop the way Megatron-LM runs one: megatron-core's local layer spec or its
+Transformer Engine spec (``--transformer-impl``), ``Float16Module`` for bf16, Megatron's own
+``forward_backward_func`` (no pipelining, 1F1B, or the interleaved schedule with ``--vpp``), an
+AdamW step. Offloading is three lines: `add_arguments` on the parser, `apply_from_args` on the
+model chunks, ``.wrap`` on the schedule function. Without ``--offload-modules`` they change
+nothing.
+
+``--system megatron`` runs the same model with Megatron's own fine-grained activation offloading
+instead (``TransformerConfig.fine_grained_activation_offloading`` and ``offload_modules``, the
+names mapped by `to_megatron_names`; it needs Transformer Engine >= 2.14 for CUDA graphs and the
+TE spec, and ``NVTE_CPU_OFFLOAD_V1=1``, set here before TE is imported, as Megatron-LM asks).
+``--fp8 delayed|current`` trains under TE's delayed or current (``tensorwise``) scaling recipe;
+``--recompute-granularity``/``--recompute-modules`` switch on Megatron's recompute;
+``--cuda-graph-impl``/``--cuda-graph-modules`` Megatron's CUDA graphs (this library refuses them
+next to ``--offload-modules`` for now; Megatron's own offloading runs with them).
 
 Each run writes ``--json``: the device, the command, per-step losses (exact: ``float.hex``),
-a hash of the trained parameters, and per rank the peak memory and the step times (median
-after ``--warmup-steps``), plus the engine's statistics. Two runs whose ``loss_hex`` and
-``param_sha256`` agree trained bitwise identically. ``--deterministic`` (the default) makes a
-run reproducible, which such a comparison needs on a GPU.
+a hash of the trained parameters, and per rank the peak memory (plus the CUDA graphs' private
+pools) and the step times (median after ``--warmup-steps``), plus the engine's statistics. Two
+runs whose ``loss_hex`` and ``param_sha256`` agree trained bitwise identically.
+``--deterministic`` (the default) makes a run reproducible, which such a comparison needs on a
+GPU (and sets ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` for Transformer Engine).
 
-MoE: the pinned variant is ``sequential`` (SequentialMLP experts, no linear biases, the
-allgather token dispatcher). With linear biases (``sequential-bias``) the expert MLP adds its
-bias in place to a view that a custom autograd function returned, and autograd refuses it
-(megatron-core 0.16.1 and 0.19.2 alike); ``grouped-gemm`` needs Transformer Engine or the
-``grouped_gemm`` package for grouped experts (0.19.2 falls back to SequentialMLP without them).
+Presets (``--model``; each size flag overrides): ``gpt`` and ``moe`` (the local spec's small
+models), and the head-to-head workloads of ``benchmarks/megatron_headtohead.py``, sized for one
+80 GB H100: ``dsv3_proxy`` (a DeepSeek-V3-like MoE: multi-latent attention, 32 fine-grained
+experts, top-4, SwiGLU, RMSNorm, grouped GEMM; TE spec) and ``dense_16k`` (a Llama-like dense GPT,
+GQA, SwiGLU, RoPE, sequence 16384; TE spec).
+
+MoE on the local spec: the pinned variant is ``sequential`` (SequentialMLP experts, no linear
+biases, the allgather token dispatcher). With linear biases (``sequential-bias``) the expert MLP
+adds its bias in place to a view that a custom autograd function returned, and autograd refuses
+it (megatron-core 0.16.1 and 0.19.2 alike); ``grouped-gemm`` builds TEGroupedMLP with the TE
+spec, and needs the ``grouped_gemm`` package on the local spec (0.19.2 falls back to
+SequentialMLP without it).
 """
 
 from __future__ import annotations
@@ -38,6 +58,25 @@ import traceback
 import warnings
 from pathlib import Path
 
+
+def _early_environment(argv: list[str]) -> None:
+    """Environment that Transformer Engine reads when it is imported (before megatron-core
+    imports it): deterministic attention and eager fusions unless ``--no-deterministic``; TE's
+    v1 CPU-offload path for Megatron's own offloading (Megatron-LM's arguments.py requires it for
+    TE >= 2.10)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--system", default="offload")
+    pre.add_argument("--no-deterministic", action="store_true")
+    known, _ = pre.parse_known_args(argv)
+    if not known.no_deterministic:
+        os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+        # TE's small fusions compile with torch.compile unless 0: eager keeps both runs' kernels the same
+        os.environ.setdefault("NVTE_TORCH_COMPILE", "0")
+    if known.system == "megatron":
+        os.environ.setdefault("NVTE_CPU_OFFLOAD_V1", "1")
+
+
+_early_environment(sys.argv[1:])
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts
 
 import torch  # noqa: E402
@@ -46,28 +85,49 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from offload.integrations import megatron as megatron_offload  # noqa: E402
 
+MLA_SIZES = dict(q_lora_rank=768, kv_lora_rank=256, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128)
 PRESETS = {
     "gpt": dict(layers=8, hidden=2048, heads=16, ffn=8192, seq=2048, micro_batch_size=2),
     "moe": dict(layers=8, hidden=1024, heads=8, ffn=4096, seq=2048, micro_batch_size=2,
                 experts=8, topk=2, moe_ffn=2048),
+    "dsv3_proxy": dict(layers=8, hidden=2048, heads=16, ffn=8192, seq=8192, micro_batch_size=1, microbatches=4,
+                       experts=32, topk=4, moe_ffn=1408, swiglu=True, normalization="RMSNorm", mla=True,
+                       transformer_impl="transformer_engine", moe_variant="grouped-gemm", **MLA_SIZES),
+    "dense_16k": dict(layers=8, hidden=4096, heads=32, query_groups=8, ffn=14336, seq=16384, micro_batch_size=1,
+                      microbatches=2, swiglu=True, normalization="RMSNorm", position_embedding="rope",
+                      transformer_impl="transformer_engine"),
 }
+MOE_MODELS = ("moe", "dsv3_proxy")
 MOE_VARIANTS = {
     "sequential": dict(add_bias_linear=False, moe_token_dispatcher_type="allgather"),
     "sequential-alltoall": dict(add_bias_linear=False, moe_token_dispatcher_type="alltoall"),
     "sequential-bias": dict(add_bias_linear=True, moe_token_dispatcher_type="allgather"),
     "grouped-gemm": dict(add_bias_linear=False, moe_token_dispatcher_type="allgather", moe_grouped_gemm=True),
 }
+FP8_RECIPES = {"delayed": "delayed", "current": "tensorwise"}  # TE's current scaling is Megatron's "tensorwise"
+DEFAULTS = dict(transformer_impl="local", moe_variant="sequential", normalization="LayerNorm", swiglu=False,
+                mla=False, position_embedding="learned_absolute", query_groups=None, microbatches=None,
+                **{k: None for k in MLA_SIZES})
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=sorted(PRESETS), default="gpt")
-    p.add_argument("--moe-variant", choices=sorted(MOE_VARIANTS), default="sequential")
-    for name in ("layers", "hidden", "heads", "ffn", "seq", "micro-batch-size", "experts", "topk", "moe-ffn"):
+    p.add_argument("--moe-variant", choices=sorted(MOE_VARIANTS), default=None)
+    for name in ("layers", "hidden", "heads", "query-groups", "ffn", "seq", "micro-batch-size", "experts", "topk",
+                 "moe-ffn", *(k.replace("_", "-") for k in MLA_SIZES)):
         p.add_argument(f"--{name}", type=int, default=None, help="overrides the preset")
+    p.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
+                   help="megatron-core's layer spec (default: the preset's, else local); transformer_engine "
+                        "needs Transformer Engine")
+    p.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default=None)
+    p.add_argument("--swiglu", action=argparse.BooleanOptionalAction, default=None,
+                   help="gated SiLU MLPs, no linear biases")
+    p.add_argument("--mla", action=argparse.BooleanOptionalAction, default=None, help="multi-latent attention")
+    p.add_argument("--position-embedding", choices=["learned_absolute", "rope"], default=None)
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--microbatches", type=int, default=None,
-                   help="microbatches per step (default 2, or 4 x pp with pipelining)")
+                   help="microbatches per step (default: the preset's, else 2, or 4 x pp with pipelining)")
     p.add_argument("--steps", type=int, default=22)
     p.add_argument("--warmup-steps", type=int, default=2, help="left out of times and peak memory")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (= world size)")
@@ -76,21 +136,73 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="use the interleaved schedule even with --vpp 1 (virtual size 1)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--fp32", action="store_true", help="fp32 instead of bf16 (always on the CPU)")
+    p.add_argument("--fp8", choices=sorted(FP8_RECIPES), default=None,
+                   help="FP8 with Transformer Engine's delayed or current scaling (hybrid E4M3/E5M2)")
+    p.add_argument("--system", choices=["offload", "megatron"], default="offload",
+                   help="whose offloading --offload-modules switches on: this library's, or Megatron's own "
+                        "--fine-grained-activation-offloading (needs Transformer Engine)")
+    p.add_argument("--recompute-granularity", choices=["selective", "full"], default=None)
+    p.add_argument("--recompute-modules", default=None, metavar="NAMES",
+                   help="Megatron's selective recompute modules, comma-separated (core_attn, layernorm, moe_act, "
+                        "mla_up_proj, mlp, moe, shared_experts); implies --recompute-granularity selective")
+    p.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    p.add_argument("--recompute-num-layers", type=int, default=None)
+    p.add_argument("--cuda-graph-impl", choices=["none", "local", "transformer_engine"], default="none",
+                   help="Megatron's CUDA graphs (transformer_engine: through TECudaGraphHelper, as in "
+                        "Megatron-LM's training loop)")
+    p.add_argument("--cuda-graph-modules", default="", metavar="REGIONS",
+                   help="per-layer capture regions, comma-separated (attn, mlp, moe, moe_router, moe_preprocess); "
+                        "empty: whole layers (megatron-core 0.16 calls it --cuda-graph-scope)")
+    p.add_argument("--cuda-graph-warmup-steps", type=int, default=3)
     p.add_argument("--no-deterministic", dest="deterministic", action="store_false")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", type=Path, default=None, help="write the results here (rank 0)")
     megatron_offload.add_arguments(p)
     args = p.parse_args(argv)
-    for key, value in PRESETS[args.model].items():
+    for key, value in {**DEFAULTS, **PRESETS[args.model]}.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     if args.microbatches is None:
         args.microbatches = 2 if args.pp == 1 else 4 * args.pp
+    if args.recompute_modules is not None and args.recompute_granularity is None:
+        args.recompute_granularity = "selective"
     if args.layers % (args.pp * args.vpp):
         p.error(f"--layers {args.layers} is not divisible by pp x vpp = {args.pp * args.vpp}")
     if args.vpp > 1 and args.pp == 1:
         p.error("--vpp > 1 needs --pp > 1 (megatron runs one chunk without pipelining)")
+    if args.cuda_graph_impl != "none" and args.device != "cuda":
+        p.error("--cuda-graph-impl needs --device cuda")
+    if args.cuda_graph_impl != "none" and args.warmup_steps < args.cuda_graph_warmup_steps + 2:
+        p.error(f"--warmup-steps {args.warmup_steps} must be at least --cuda-graph-warmup-steps + 2 "
+                f"({args.cuda_graph_warmup_steps + 2}): the graphs' warm-up and capture steps are not timed")
+    check_transformer_engine(args, p.error)
     return args
+
+
+def transformer_engine_error() -> str | None:
+    """Why ``transformer_engine.pytorch`` does not import here, or ``None`` when it does."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as exc:  # ImportError, or an OSError from a missing CUDA/cuDNN library
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def check_transformer_engine(args: argparse.Namespace, fail) -> None:
+    """Call ``fail(message)`` for flags that need Transformer Engine where it does not import,
+    or the TE layer spec where another is chosen."""
+    if args.system == "megatron" and args.transformer_impl != "transformer_engine":
+        fail("--system megatron needs --transformer-impl transformer_engine (Megatron's own offloading "
+             "hooks Transformer Engine's CPU-offload state; Megatron-LM's arguments.py asserts the same)")
+    if args.fp8 and args.transformer_impl != "transformer_engine":
+        fail(f"--fp8 {args.fp8} needs --transformer-impl transformer_engine")
+    if args.cuda_graph_impl == "transformer_engine" and args.transformer_impl != "transformer_engine":
+        fail("--cuda-graph-impl transformer_engine needs --transformer-impl transformer_engine")
+    if args.transformer_impl == "transformer_engine":
+        why = transformer_engine_error()
+        if why is not None:
+            fail(f"--transformer-impl transformer_engine (model {args.model!r}) needs Transformer Engine, which "
+                 f"does not import here ({why}); install it (docs/te.md) or use --transformer-impl local")
 
 
 def init_distributed(args: argparse.Namespace) -> int:
@@ -118,35 +230,95 @@ def init_distributed(args: argparse.Namespace) -> int:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         model_parallel_cuda_manual_seed(args.seed)
+    if args.cuda_graph_impl == "transformer_engine":  # TECudaGraphHelper asks get_num_microbatches()
+        from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+
+        init_num_microbatches_calculator(0, None, args.micro_batch_size * args.microbatches,
+                                         args.micro_batch_size, 1)
     return torch.distributed.get_rank()
+
+
+def offload_modules(args: argparse.Namespace) -> tuple[str, ...]:
+    """The names of ``--offload-modules`` (checked against the integration's table)."""
+    return megatron_offload.Options.from_args(args).modules
+
+
+def config_kwargs(args: argparse.Namespace) -> dict:
+    """The ``TransformerConfig`` fields the flags set."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fields = TransformerConfig.__dataclass_fields__
+    bf16 = args.device == "cuda" and not args.fp32
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    virtual = args.vpp if (args.vpp > 1 or args.interleaved) else None
+    kw: dict = dict(
+        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+        ffn_hidden_size=args.ffn, hidden_dropout=0.0, attention_dropout=0.0,
+        bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
+        pipeline_model_parallel_size=args.pp, virtual_pipeline_model_parallel_size=virtual,
+        use_cpu_initialization=args.device == "cpu", normalization=args.normalization,
+    )
+    if "transformer_impl" in fields:
+        kw["transformer_impl"] = args.transformer_impl
+    if args.query_groups:
+        kw["num_query_groups"] = args.query_groups
+    if args.swiglu:
+        kw.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False)
+    if args.mla:
+        kw.update(multi_latent_attention=True, rope_type="rope", **{k: getattr(args, k) for k in MLA_SIZES})
+    if args.model in MOE_MODELS:
+        variant = dict(MOE_VARIANTS[args.moe_variant])
+        if args.swiglu:
+            variant["add_bias_linear"] = False
+        kw.update(num_moe_experts=args.experts, moe_router_topk=args.topk, moe_ffn_hidden_size=args.moe_ffn,
+                  moe_grouped_gemm=variant.pop("moe_grouped_gemm", False), **variant)
+    if args.fp8:
+        kw.update(fp8="hybrid", fp8_recipe=FP8_RECIPES[args.fp8])
+    if args.recompute_granularity:
+        kw["recompute_granularity"] = args.recompute_granularity
+        if args.recompute_modules is not None:
+            kw["recompute_modules"] = [m for m in args.recompute_modules.split(",") if m]
+        if args.recompute_granularity == "full":
+            kw.update(recompute_method=args.recompute_method or "uniform",
+                      recompute_num_layers=args.recompute_num_layers or 1)
+    if args.cuda_graph_impl != "none":
+        regions = [r for r in args.cuda_graph_modules.split(",") if r]
+        kw["cuda_graph_impl"] = args.cuda_graph_impl
+        kw["cuda_graph_modules" if "cuda_graph_modules" in fields else "cuda_graph_scope"] = regions
+        kw["cuda_graph_warmup_steps"] = args.cuda_graph_warmup_steps
+    if args.system == "megatron" and offload_modules(args):
+        elem = torch.empty((), dtype=dtype).element_size()
+        kw.update(fine_grained_activation_offloading=True,
+                  offload_modules=megatron_offload.to_megatron_names(offload_modules(args)),
+                  min_offloaded_tensor_size=args.offload_min_tensor_bytes // elem)  # Megatron counts elements
+    return kw
+
+
+def layer_spec(args: argparse.Namespace, config):
+    """megatron-core's local or Transformer Engine layer spec for ``config``."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    grouped = bool(config.moe_grouped_gemm)
+    if args.transformer_impl == "transformer_engine":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=config.num_moe_experts, moe_grouped_gemm=grouped, multi_latent_attention=args.mla)
+    return gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts, moe_grouped_gemm=grouped, multi_latent_attention=args.mla)
 
 
 def build_chunks(args: argparse.Namespace) -> list[torch.nn.Module]:
     """This rank's model chunks (one per virtual stage), bf16 through ``Float16Module``."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.module import Float16Module
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    bf16 = args.device == "cuda" and not args.fp32
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    virtual = args.vpp if (args.vpp > 1 or args.interleaved) else None
-    kw = dict(
-        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-        ffn_hidden_size=args.ffn, hidden_dropout=0.0, attention_dropout=0.0,
-        bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
-        pipeline_model_parallel_size=args.pp, virtual_pipeline_model_parallel_size=virtual,
-        use_cpu_initialization=args.device == "cpu",
-    )
-    grouped = False
-    if args.model == "moe":
-        variant = dict(MOE_VARIANTS[args.moe_variant])
-        grouped = variant.pop("moe_grouped_gemm", False)
-        kw.update(num_moe_experts=args.experts, moe_router_topk=args.topk,
-                  moe_ffn_hidden_size=args.moe_ffn, moe_grouped_gemm=grouped, **variant)
-    config = TransformerConfig(**kw)
-    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=grouped)
+    kw = config_kwargs(args)
+    rope = args.position_embedding == "rope" or args.mla
+    if "position_embedding_type" in TransformerConfig.__dataclass_fields__:  # 0.19 reads it from the config
+        kw["position_embedding_type"] = "rope" if rope else "learned_absolute"
+    config = (MLATransformerConfig if args.mla else TransformerConfig)(**kw)
+    spec = layer_spec(args, config)
     chunks = []
     for stage in range(args.vpp):
         torch.manual_seed(args.seed + 1000 * stage)
@@ -156,18 +328,25 @@ def build_chunks(args: argparse.Namespace) -> list[torch.nn.Module]:
                 config, spec, vocab_size=args.vocab, max_sequence_length=args.seq,
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
                 post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-                vp_stage=stage,
+                vp_stage=stage, position_embedding_type="rope" if rope else "learned_absolute",
             )
         model.to(args.device)
-        chunks.append(Float16Module(config, model) if bf16 else model)
+        chunks.append(Float16Module(config, model) if config.bf16 else model)
+    if args.system == "megatron" and offload_modules(args):
+        # the same names must mean the same modules: a norm fused into the next linear layer
+        # (TE spec) needs that layer's name, or Megatron would drop it silently
+        megatron_offload.to_megatron_names(offload_modules(args), [megatron_offload.find_modules(c) for c in chunks])
     return chunks
 
 
-def step_batches(args: argparse.Namespace, step: int) -> list[tuple[torch.Tensor, ...]]:
-    """The step's microbatches: random tokens from a generator seeded by (seed, step)."""
+def step_batches(args: argparse.Namespace, step: int) -> list[tuple]:
+    """The step's microbatches: random tokens from a generator seeded by (seed, step). The TE
+    spec's attention is causal by its mask type and takes no mask tensor."""
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
     b, s = args.micro_batch_size, args.seq
-    mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1).to(args.device)
+    mask = None
+    if args.transformer_impl == "local":
+        mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1).to(args.device)
     pos = torch.arange(s).expand(b, s).to(args.device)
     out = []
     for _ in range(args.microbatches):
@@ -198,19 +377,50 @@ def stats_summary(stats) -> dict:
     return {"by_name": out, "pinned_bytes": stats.pinned_bytes, "max_inflight_groups": stats.max_inflight_groups}
 
 
+def te_graph_helper(args: argparse.Namespace, chunks: list[torch.nn.Module]):
+    """Megatron's TECudaGraphHelper for ``--cuda-graph-impl transformer_engine``, as Megatron-LM's
+    training loop makes it (``create_cudagraphs()`` once ``--cuda-graph-warmup-steps`` steps ran).
+    Its reset after the capture zeroes each chunk's grad buffer, which only Megatron's DDP has:
+    a plain ``zero_grad`` stands in."""
+    if args.cuda_graph_impl != "transformer_engine":
+        return None
+    from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
+    from megatron.core.utils import get_model_config
+
+    for chunk in chunks:
+        if not hasattr(chunk, "zero_grad_buffer"):
+            chunk.zero_grad_buffer = lambda chunk=chunk: chunk.zero_grad(set_to_none=False)
+    return TECudaGraphHelper(model=chunks, config=get_model_config(chunks[0]), seq_length=args.seq,
+                             micro_batch_size=args.micro_batch_size, optimizers=[])
+
+
+def graph_pool_bytes(cuda: bool) -> int:
+    """Bytes the CUDA graphs' private pools hold (``max_memory_allocated`` does not show them)."""
+    if not cuda:
+        return 0
+    from offload.testing import graph_pool_bytes as pools
+
+    return pools()
+
+
 def run(args: argparse.Namespace) -> dict:
     """Train ``args.steps`` steps; returns this rank's results."""
     import megatron.core
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
 
     if args.deterministic:  # ops without a deterministic kernel warn; a rerun shows if it matters
         torch.use_deterministic_algorithms(True, warn_only=True)
     rank = init_distributed(args)
     cuda = args.device == "cuda"
     chunks = build_chunks(args)
-    handle = megatron_offload.apply_from_args(chunks, args, device=args.device)
+    if args.system == "offload":
+        handle = megatron_offload.apply_from_args(chunks, args, device=args.device)
+    else:  # Megatron's own offloading is in the config; nothing to attach
+        handle = megatron_offload.apply(chunks, ())
     forward_backward = handle.wrap(get_forward_backward_func())
+    graphs = te_graph_helper(args, chunks)
     params = [p for c in chunks for p in c.parameters()]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     interleaved = args.vpp > 1 or args.interleaved
@@ -218,6 +428,8 @@ def run(args: argparse.Namespace) -> dict:
     losses, times = [], []
     setup_bytes = torch.cuda.memory_allocated() if cuda else 0
     for step in range(args.steps):
+        if graphs is not None and step == args.cuda_graph_warmup_steps:
+            graphs.create_cudagraphs()
         if step == args.warmup_steps and cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -237,10 +449,14 @@ def run(args: argparse.Namespace) -> dict:
             torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
         losses.append([d["lm loss"].item() for d in out] if out else [])
+    pools = graph_pool_bytes(cuda)
+    if graphs is not None and graphs.graphs_created():
+        graphs.delete_cuda_graphs()
     sha = hashlib.sha256()
     for p in params:
         sha.update(p.detach().float().cpu().numpy().tobytes())
     is_last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    mode = megatron_offload.cuda_graph_mode(get_model_config(chunks[0]))
     return {
         "rank": rank,
         "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
@@ -248,10 +464,12 @@ def run(args: argparse.Namespace) -> dict:
         "device_name": torch.cuda.get_device_name() if cuda else "cpu",
         "megatron_core": megatron.core.__version__,
         "torch": torch.__version__,
+        "cuda_graph": "none" if mode is None else mode.label,
         "microbatch_losses": losses if is_last else None,
         "param_sha256": sha.hexdigest(),
         "memory_after_setup_bytes": setup_bytes,
         "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+        "graph_pool_bytes": pools,
         "step_time_ms": times,
         "median_step_time_ms": statistics.median(times[args.warmup_steps:] or times),
         "offload": stats_summary(handle.last_stats),
@@ -280,17 +498,22 @@ def main(argv: list[str] | None = None) -> int:
         "device": ranks[0].get("device_name"),
         "megatron_core": ranks[0].get("megatron_core"),
         "torch": torch.__version__,
-        "model": args.model, "moe_variant": args.moe_variant if args.model == "moe" else None,
-        "sizes": {k: getattr(args, k) for k in ("layers", "hidden", "heads", "ffn", "seq", "micro_batch_size",
-                                                 "microbatches", "vocab", "experts", "topk", "moe_ffn")},
+        "model": args.model, "moe_variant": args.moe_variant if args.model in MOE_MODELS else None,
+        "transformer_impl": args.transformer_impl, "system": args.system, "fp8": args.fp8,
+        "cuda_graph": ranks[0].get("cuda_graph"),
+        "recompute": {"granularity": args.recompute_granularity, "modules": args.recompute_modules},
+        "sizes": {k: getattr(args, k) for k in ("layers", "hidden", "heads", "query_groups", "ffn", "seq",
+                                                 "micro_batch_size", "microbatches", "vocab", "experts", "topk",
+                                                 "moe_ffn", "mla", "swiglu", "normalization")},
         "pp": args.pp, "vpp": args.vpp, "interleaved": args.vpp > 1 or args.interleaved,
-        "offload_modules": list(megatron_offload.Options.from_args(args).modules),
+        "offload_modules": list(offload_modules(args)),
         "offload_policy": args.offload_policy,
         "steps": args.steps, "warmup_steps": args.warmup_steps, "deterministic": args.deterministic,
         "losses": step_losses,
         "loss_hex": [[float(x).hex() for x in mb] for mb in last.get("microbatch_losses") or []],
         "param_sha256": [r.get("param_sha256") for r in ranks],
         "peak_memory_bytes": [r.get("peak_memory_bytes") for r in ranks],
+        "graph_pool_bytes": [r.get("graph_pool_bytes") for r in ranks],
         "median_step_time_ms": [r.get("median_step_time_ms") for r in ranks],
         "per_rank": ranks,
     }
@@ -301,8 +524,8 @@ def main(argv: list[str] | None = None) -> int:
             args.json.write_text(json.dumps(summary, indent=1))
         peaks = ", ".join(f"{(p or 0) / 2**30:.2f}" for p in summary["peak_memory_bytes"])
         times = ", ".join(f"{t:.1f}" for t in summary["median_step_time_ms"] if t is not None)
-        print(f"[megatron_gpt] ok={ok} model={args.model} pp={args.pp} vpp={args.vpp} "
-              f"offload={summary['offload_modules'] or '-'} peak GiB per rank: {peaks}; "
+        print(f"[megatron_gpt] ok={ok} model={args.model} system={args.system} pp={args.pp} vpp={args.vpp} "
+              f"offload={summary['offload_modules'] or '-'} graphs={summary['cuda_graph']} peak GiB per rank: {peaks}; "
               f"median step ms: {times}; last loss: {step_losses[-1] if step_losses else None}", flush=True)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

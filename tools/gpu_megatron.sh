@@ -7,6 +7,14 @@
 #   export PYTHONPATH=/tmp/site:$PWD
 #   bash tools/gpu_megatron.sh 1gpu      # one H100: dense and MoE GPT, PP=1; MoE variants
 #   bash tools/gpu_megatron.sh 2gpu      # two H200 (nvidia-h200-x2): PP=2, VPP=1 and VPP=2
+#   bash tools/gpu_megatron.sh headtohead [ARGS]   # benchmarks/megatron_headtohead.py ARGS, with
+#                                        # Transformer Engine from tools/gpu_te.sh (install it first)
+#
+# headtohead merges its records into the carried docs/results/megatron/headtohead.json, rewrites
+# the table in the carried docs/megatron.md and copies both, with the per-run JSON files and
+# logs (headtohead_runs/), to $OUT/megatron/: copy them back into the tree between calls (each
+# device call is limited to 10 minutes: run a few jobs per call, e.g. --workloads dense_16k
+# --systems offload --graphs none).
 #
 # Everything lands in $OUT/megatron/ (OUT defaults to ./gpu_out): one JSON per run (<run>.json,
 # written by the example), its log (<run>.log), steps.txt (each step's rc and seconds), and
@@ -17,7 +25,8 @@
 set -u
 
 MODE=${1:-}
-case "$MODE" in 1gpu|2gpu) ;; *) echo "usage: bash tools/gpu_megatron.sh 1gpu|2gpu" >&2; exit 2 ;; esac
+case "$MODE" in 1gpu|2gpu|headtohead) ;; *) echo "usage: bash tools/gpu_megatron.sh 1gpu|2gpu|headtohead [ARGS]" >&2; exit 2 ;; esac
+shift
 
 OUT=${OUT:-$PWD/gpu_out}
 M=$OUT/megatron
@@ -66,6 +75,20 @@ ex2() {  # ex2 NAME TIMEOUT_S ARGS... : one run of the example on two GPUs
     $PY -c "import megatron.core as m; print('megatron-core', m.__version__)" 2>&1 | tail -1
 } > "$M/env_$MODE.txt" 2>&1
 cat "$M/env_$MODE.txt"
+
+if [ "$MODE" = headtohead ]; then
+    if ! [ -f /tmp/tesite/.te_ok ]; then
+        echo "Transformer Engine is not installed here: run tools/gpu_te.sh's install calls first (.te/plan.txt)" >&2
+        exit 2
+    fi
+    eval "$(bash tools/gpu_te.sh env)"
+    $PY -c "import transformer_engine, megatron.core as m; print('transformer-engine', transformer_engine.__version__, 'megatron-core', m.__version__)" | tee -a "$M/env_$MODE.txt"
+    $PY benchmarks/megatron_headtohead.py --runs-dir "$M/headtohead_runs" --reuse "$@"
+    rc=$?
+    cp docs/results/megatron/headtohead.json docs/results/megatron/headtohead.md docs/megatron.md "$M/" 2>/dev/null
+    echo "headtohead rc=$rc; results under $M"
+    exit $rc
+fi
 
 DENSE_NAMES=core_attn,fc1,mlp_act,fc2
 MOE_NAMES=core_attn,expert_fc1,moe_act,expert_fc2

@@ -24,7 +24,8 @@ name          module                                                   saves (lo
 attn_norm     ``input_layernorm``                                      its input, the residual stream [s,b,h]
 qkv_linear    ``self_attention.linear_qkv``; MLA: ``linear_q_proj`` /  its input, the normed hidden state [s,b,h]
               ``linear_q_down_proj``, ``linear_q_up_proj``,
-              ``linear_kv_down_proj``, ``linear_kv_up_proj``
+              ``linear_kv_down_proj``, ``linear_kv_up_proj``,
+              ``linear_qkv_down_proj`` (fused MLA down projection)
 core_attn     ``self_attention.core_attention``                        q, k, v and the softmax probabilities
                                                                        [b,heads,s,s] (unfused attention)
 attn_proj     ``self_attention.linear_proj``                           its input, the attention context [s,b,h]
@@ -44,26 +45,77 @@ expert_fc2    ``mlp.experts.local_experts.*.linear_fc2`` (Sequential)  the weigh
 when fc2 is called. With ``SequentialMLP``, every expert's fc1 input is a slice of one tensor
 that the experts' forward holds until its last expert ran; one ``expert_fc1`` group per layer
 (the experts module, whose activations and fc2s are their own groups or stay on the GPU) is
-copied once the layer is done, where per-expert groups would find the tensor still in use. A name the model does not have (``expert_fc1`` in a dense model,
-``attn_norm`` where Transformer Engine fuses the norm into ``linear_qkv``) is an error that says
-why. Shared experts and the legacy ``GroupedMLP`` (one fused op, no fc1/fc2 submodules) are not
+copied once the layer is done, where per-expert groups would find the tensor still in use.
+
+Transformer Engine layer spec (``get_gpt_layer_with_transformer_engine_spec``). Modules are
+recognised by their attributes, never by importing ``transformer_engine``:
+
+* The attention norm is fused into ``self_attention.linear_qkv``, a
+  ``TELayerNormColumnParallelLinear`` (one autograd function: it saves the norm's input, the
+  normed output and the norm statistics together), and ``input_layernorm`` is an ``IdentityOp``.
+  A fused module is one with a ``layer_norm_weight`` parameter. ``qkv_linear`` is then that
+  module, norm included: what ``attn_norm`` and ``qkv_linear`` save in the local spec.
+  ``attn_norm`` cannot be offloaded apart from it: alone it is an error that names
+  ``qkv_linear``; next to ``qkv_linear`` it is accepted as covered (`ChunkModules.covered`).
+  Megatron's own offloading drops ``attn_norm`` silently there
+  (``transformer_layer.py``: ``"attn_norm" in offload_modules and not isinstance(
+  self.input_layernorm, IdentityOp)``) and offloads ``linear_qkv`` under ``qkv_linear``.
+* Dense layers fuse ``pre_mlp_layernorm`` into ``mlp.linear_fc1`` the same way: ``fc1`` covers
+  ``mlp_norm``. MoE layers keep a separate ``pre_mlp_layernorm`` (``TENorm``): ``mlp_norm``
+  is that module. MLA keeps a separate ``input_layernorm`` unless its down projections are
+  fused (``mla_down_proj_fusion``: ``linear_qkv_down_proj`` covers ``attn_norm``).
+* ``core_attn`` is ``TEDotProductAttention`` (fused or flash attention): it saves q, k, v, the
+  output and the softmax statistics, no probabilities. Its output is ``attn_proj``'s input, so
+  ``attn_proj`` alone frees nothing there (the engine reports it held elsewhere); Megatron's
+  own offloading refuses ``attn_proj`` without ``core_attn`` for the same reason.
+* ``TEGroupedMLP`` (``--moe-grouped-gemm``): ``expert_fc1`` and ``expert_fc2`` are its
+  ``linear_fc1``/``linear_fc2`` (``TEColumnParallelGroupedLinear``/``TERowParallelGroupedLinear``,
+  all local experts in one grouped GEMM), ``moe_act`` the code between them. With the
+  operation fuser (``use_transformer_engine_op_fuser``, 0.19) fc1, activation and fc2 run as one
+  fused op that never calls those submodules, and ``TEFusedMLP`` (``use_te_op_fuser``) does the
+  same for a dense MLP: their names are errors (Megatron's name for the fused grouped MLP is
+  ``fused_group_mlp``, which this integration does not map).
+
+A name the model does not have (``expert_fc1`` in a dense model) is an error that says why.
+Shared experts and the legacy ``GroupedMLP`` (one fused op, no fc1/fc2 submodules) are not
 mapped.
 
-Composition. Megatron's selective recompute (``recompute_modules``) wins over offloading: a
-recomputed region saves nothing that could be offloaded, so asking for both on the same region
-is an error (`check_compatible`). Offloading a neighbour of a recomputed region works: e.g.
-``recompute_modules=["layernorm"]`` with ``qkv_linear`` offloads nothing of the norm's output,
-which Megatron's ``CheckpointWithoutOutput`` holds and frees itself (the engine sees it held
-elsewhere and does not copy it). Full recompute makes every group of a recomputed layer inert.
-Megatron's CUDA graphs, its own fine-grained offloading and its layer-level ``cpu_offloading``
-are refused: the first replays kernels without the engine's hooks, the other two hook the
-same saved tensors.
+Composition with selective recompute (``--recompute-granularity selective --recompute-modules``).
+Megatron runs a recomputed region under ``torch.no_grad`` (``tensor_parallel.checkpoint`` for
+``core_attn``, ``mlp``, ``moe``; ``CheckpointWithoutOutput`` for ``layernorm``, ``moe_act``,
+``mla_up_proj``) and again inside backward; a group opened there offloads nothing. So:
+
+* ``core_attn`` with ``core_attn``; ``attn_norm``/``mlp_norm`` with ``layernorm`` (where the norm
+  is its own module: a fused norm is not recomputed); ``fc1``/``mlp_act``/``fc2`` with ``mlp``;
+  ``router``/``expert_fc1``/``moe_act``/``expert_fc2`` with ``moe``: refused (`check_compatible`),
+  recompute wins.
+* ``moe_act`` with ``moe_act``: refused too. The region between fc1 and fc2 does contain the
+  checkpoint, but what the checkpoint saves is its input ``detach()``-ed, a leaf that requires
+  grad, which the engine never offloads (it takes such leaves for parameters), and the fc1
+  output is still referenced by the experts' forward when the copy is due. Megatron's own
+  offloading offloads it (it skips only ``nn.Parameter`` objects and force-frees the fc1 output).
+* Neighbours compose: with ``layernorm`` recomputed, ``qkv_linear``'s saved input is the
+  checkpoint's output, which ``CheckpointWithoutOutput`` holds and frees itself (the engine sees
+  it held elsewhere and does not copy it); ``expert_fc2`` next to ``moe_act`` recompute likewise.
+  With ``mla_up_proj``, ``qkv_linear``'s up projections are recomputed and only its down
+  projections offload.
+* Full recompute makes every group of a recomputed layer inert.
+
+Megatron's CUDA graphs are refused with the flag and the names involved (`check_cuda_graphs`):
+a replayed graph runs without the engine's hooks, and next to partial graphs (attention
+graphed, MoE eager) the capture runs layers outside the offload schedule; both await the
+CUDA-graph support of the engine's graph path. Megatron's own fine-grained offloading and its
+layer-level ``cpu_offloading`` are refused: they hook the same saved tensors.
 
 Versions. Tested with megatron-core 0.16.1 (CPU, CI) and 0.19.2 (GPU). What differs between
 them is handled here: the schedules' keyword arguments (0.19 adds ``pg_collection`` paths and
-``schedule_pg_collection``), the legacy ``GroupedMLP`` (present up to 0.18), the
-``full_iteration`` CUDA graph mode (0.19). Module paths and ``get_forward_backward_func``'s
-result are the same.
+``schedule_pg_collection``), the legacy ``GroupedMLP`` (present up to 0.18), the CUDA-graph
+fields (0.16: ``cuda_graph_impl`` none/local/transformer_engine and ``cuda_graph_scope``, with
+``full_iteration`` a scope of ``local``; 0.19: ``cuda_graph_impl`` adds ``full_iteration`` and
+``cuda_graph_modules`` replaces ``cuda_graph_scope``, which ``__post_init__`` migrates and sets
+to ``None``; both keep the deprecated booleans ``enable_cuda_graph`` = local and
+``external_cuda_graph`` = transformer_engine), and the op fusers (0.19). Module paths and
+``get_forward_backward_func``'s result are the same.
 """
 
 from __future__ import annotations
@@ -97,37 +149,50 @@ except ImportError as exc:  # pragma: no cover - exercised only without megatron
     ) from exc
 
 __all__ = [
+    "MEGATRON_OWN_NAMES",
     "NAMES",
     "MegatronOffload",
     "add_arguments",
     "apply",
     "apply_from_args",
     "check_compatible",
+    "check_cuda_graphs",
+    "cuda_graph_mode",
     "find_modules",
     "megatron_order",
     "megatron_version",
     "parse_policy",
+    "to_megatron_names",
     "wrap_forward_backward_func",
     "wrap_model_provider",
 ]
 
 NAMES: dict[str, str] = {
-    "attn_norm": "input_layernorm: its input (the residual stream)",
-    "qkv_linear": "self_attention.linear_qkv (MLA: the q/kv down and up projections): its input",
-    "core_attn": "self_attention.core_attention: q, k, v and the attention probabilities",
+    "attn_norm": "input_layernorm: its input (the residual stream); fused into linear_qkv (TE): use qkv_linear",
+    "qkv_linear": "self_attention.linear_qkv (MLA: the q/kv down and up projections): its input; "
+                  "with a fused norm (TE) also the norm's input",
+    "core_attn": "self_attention.core_attention: q, k, v and the attention probabilities (fused: the output)",
     "attn_proj": "self_attention.linear_proj: its input (the attention context)",
-    "mlp_norm": "pre_mlp_layernorm: its input (the residual stream)",
-    "fc1": "mlp.linear_fc1 of a dense MLP: its input",
+    "mlp_norm": "pre_mlp_layernorm: its input (the residual stream); fused into linear_fc1 (TE, dense): use fc1",
+    "fc1": "mlp.linear_fc1 of a dense MLP: its input; with a fused norm (TE) also the norm's input",
     "mlp_act": "the dense MLP's activation (between fc1 and fc2): the fc1 output",
     "fc2": "mlp.linear_fc2 of a dense MLP: its input (the activation)",
     "router": "mlp.router of a MoE layer: its input and the routing tensors",
-    "expert_fc1": "the experts' linear_fc1: the routed tokens",
+    "expert_fc1": "the experts' linear_fc1 (SequentialMLP or TEGroupedMLP): the routed tokens",
     "moe_act": "the experts' activation (between fc1 and fc2): the fc1 output and the probs",
     "expert_fc2": "the experts' linear_fc2: the weighted activation",
 }
 """Every name this integration knows, with the module it maps to and what that saves."""
 
-# Which of Megatron's selective recompute modules make an offload name inert (recompute wins).
+MEGATRON_OWN_NAMES: frozenset[str] = frozenset(
+    {"attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act"})
+"""The names that Megatron's own ``--fine-grained-activation-offloading`` shares with this
+integration, with the same meaning (``transformer_config.py``'s ``allowed_modules``, 0.16 and
+0.19; 0.19 adds ``fused_group_mlp``, which this integration does not map)."""
+
+# Which of Megatron's selective recompute modules make an offload name offload nothing
+# (recompute wins): the region runs under no_grad, or (moe_act with moe_act) what it saves is
+# the checkpoint's detached input, a leaf that requires grad, which the engine never offloads.
 _RECOMPUTED_BY: dict[str, tuple[str, ...]] = {
     "core_attn": ("core_attn",),
     "attn_norm": ("layernorm",),
@@ -143,7 +208,10 @@ _RECOMPUTED_BY: dict[str, tuple[str, ...]] = {
 
 _ACT_NAMES = ("mlp_act", "moe_act")
 _MLA_QKV = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj",
-            "linear_kv_down_proj", "linear_kv_up_proj")
+            "linear_kv_down_proj", "linear_kv_up_proj", "linear_qkv_down_proj")
+_MLA_DOWN = ("linear_q_down_proj", "linear_kv_down_proj", "linear_qkv_down_proj")
+_MOE_NAMES = ("router", "expert_fc1", "moe_act", "expert_fc2")
+_DENSE_MLP_NAMES = ("fc1", "mlp_act", "fc2")
 
 
 def megatron_version() -> tuple[int, int]:
@@ -159,13 +227,16 @@ class ChunkModules:
 
     ``modules`` maps a name to the qualified names of its modules; ``act_regions`` maps
     ``mlp_act``/``moe_act`` to (mlp, fc1, fc2) qualified-name triples; ``absent`` says, for
-    names the chunk lacks although it has transformer layers, why. ``sequential_experts``
-    lists the SequentialMLP modules (each one ``expert_fc1`` group).
+    names the chunk lacks although it has transformer layers, why. ``covered`` maps a norm
+    name whose norm is fused into the next linear layer (Transformer Engine) to the name of
+    that layer, which offloads what the norm saves. ``sequential_experts`` lists the
+    SequentialMLP modules (each one ``expert_fc1`` group).
     """
 
     modules: dict[str, list[str]] = field(default_factory=dict)
     act_regions: dict[str, list[tuple[str, str, str]]] = field(default_factory=dict)
     absent: dict[str, str] = field(default_factory=dict)
+    covered: dict[str, str] = field(default_factory=dict)
     sequential_experts: list[str] = field(default_factory=list)
     num_layers: int = 0
 
@@ -178,6 +249,24 @@ def _real(module: Any) -> bool:
     return isinstance(module, nn.Module) and not isinstance(module, IdentityOp)
 
 
+def fuses_norm(module: Any) -> bool:
+    """Whether ``module`` is a linear layer with its input norm fused in: Transformer Engine's
+    ``LayerNormLinear`` (megatron's ``TELayerNormColumnParallelLinear``), recognised by its
+    ``layer_norm_weight`` parameter without importing Transformer Engine."""
+    return _real(module) and isinstance(getattr(module, "layer_norm_weight", None), nn.Parameter)
+
+
+def _op_fused(module: Any) -> bool:
+    """Whether an MLP or experts module runs Transformer Engine's operation fuser, which calls
+    neither ``linear_fc1`` nor ``linear_fc2`` (``TEFusedMLP``; ``TEGroupedMLP`` with
+    ``use_transformer_engine_op_fuser``, megatron-core 0.19)."""
+    return bool(getattr(module, "_with_fused_impl", False)) or type(module).__name__.startswith("TEFusedMLP")
+
+
+def _describe(module: nn.Module) -> str:
+    return type(module).__name__
+
+
 def find_modules(chunk: nn.Module) -> ChunkModules:
     """Find the modules behind every name of `NAMES` in ``chunk`` (a model chunk, wrapped or not).
 
@@ -188,22 +277,35 @@ def find_modules(chunk: nn.Module) -> ChunkModules:
     add = lambda name, qn: found.modules.setdefault(name, []).append(qn)  # noqa: E731
     why: dict[str, str] = {}
 
-    def norm(layer: nn.Module, p: str, name: str, attr: str, fused_into: str, instead: str) -> None:
-        """The norm ``attr`` of ``layer`` as ``name``, or why there is none (a TE spec fuses it)."""
+    def norm(layer: nn.Module, p: str, name: str, attr: str, fused: list[tuple[str, nn.Module]],
+             covering: str) -> None:
+        """The norm ``attr`` of ``layer`` as ``name``; where it is fused into the linear layers
+        ``fused`` (relative names and modules), ``name`` is covered by ``covering``."""
         if _real(getattr(layer, attr, None)):
             add(name, p + attr)
+            return
+        into = [(qn, m) for qn, m in fused if fuses_norm(m)]
+        if into:
+            where = ", ".join(f"{qn} ({_describe(m)})" for qn, m in into)
+            found.covered[name] = covering
+            why[name] = (f"{attr} is an IdentityOp: the norm is fused into {where}, one Transformer "
+                         f"Engine function that saves the norm's input and output together; "
+                         f"--offload-modules {covering} offloads both (with {covering}, {name} is "
+                         "accepted as covered by it)")
         else:
-            why[name] = (f"{attr} is an IdentityOp: the norm is fused into {fused_into} "
-                         f"(Transformer Engine spec); offload {instead} instead")
+            why[name] = f"{attr} is an IdentityOp and no linear layer after it fuses a norm: there is no norm"
 
     for qn, layer in chunk.named_modules():
         if not isinstance(layer, TransformerLayer):
             continue
         found.num_layers += 1
         p = f"{qn}." if qn else ""
-        norm(layer, p, "attn_norm", "input_layernorm", "linear_qkv", "qkv_linear")
         attn = getattr(layer, "self_attention", None)
-        if _real(attn):
+        attn = attn if _real(attn) else None
+        after_norm = [(f"self_attention.{sub}", getattr(attn, sub)) for sub in ("linear_qkv", *_MLA_DOWN)
+                      if attn is not None and _real(getattr(attn, sub, None))]
+        norm(layer, p, "attn_norm", "input_layernorm", after_norm, "qkv_linear")
+        if attn is not None:
             a = p + "self_attention."
             if _real(getattr(attn, "linear_qkv", None)):
                 add("qkv_linear", a + "linear_qkv")
@@ -214,14 +316,21 @@ def find_modules(chunk: nn.Module) -> ChunkModules:
                 add("core_attn", a + "core_attention")
             if _real(getattr(attn, "linear_proj", None)):
                 add("attn_proj", a + "linear_proj")
-        norm(layer, p, "mlp_norm", "pre_mlp_layernorm", "mlp.linear_fc1", "fc1")
         mlp = getattr(layer, "mlp", None)
+        fc1 = getattr(mlp, "linear_fc1", None) if getattr(mlp, "experts", None) is None else None
+        norm(layer, p, "mlp_norm", "pre_mlp_layernorm", [("mlp.linear_fc1", fc1)] if _real(fc1) else [], "fc1")
         if not _real(mlp):
             continue
         m = p + "mlp."
         experts = getattr(mlp, "experts", None)
         if experts is None:  # dense MLP
-            if _real(getattr(mlp, "linear_fc1", None)) and _real(getattr(mlp, "linear_fc2", None)):
+            if _op_fused(mlp):
+                for name in _DENSE_MLP_NAMES + ("mlp_norm",):
+                    why[name] = (f"the MLP is a {_describe(mlp)} (--use-te-op-fuser): its norm, fc1, activation "
+                                 "and fc2 run as one Transformer Engine operation sequence that does not call "
+                                 "linear_fc1 or linear_fc2; drop --use-te-op-fuser to offload them")
+                found.covered.pop("mlp_norm", None)
+            elif _real(getattr(mlp, "linear_fc1", None)) and _real(getattr(mlp, "linear_fc2", None)):
                 add("fc1", m + "linear_fc1")
                 add("fc2", m + "linear_fc2")
                 found.act_regions.setdefault("mlp_act", []).append(
@@ -238,6 +347,12 @@ def find_modules(chunk: nn.Module) -> ChunkModules:
                 add("expert_fc2", e + "linear_fc2")
                 found.act_regions.setdefault("moe_act", []).append(
                     (e[:-1], e + "linear_fc1", e + "linear_fc2"))
+        elif _op_fused(experts):
+            for name in ("expert_fc1", "moe_act", "expert_fc2"):
+                why[name] = (f"the experts are a {_describe(experts)} run by Transformer Engine's operation fuser "
+                             "(--use-transformer-engine-op-fuser): fc1, activation and fc2 are one fused op that "
+                             "does not call linear_fc1 or linear_fc2 (Megatron's own offloading calls it "
+                             "fused_group_mlp); drop the op fuser to offload them")
         elif _real(getattr(experts, "linear_fc1", None)) and _real(getattr(experts, "linear_fc2", None)):
             add("expert_fc1", m + "experts.linear_fc1")  # TEGroupedMLP
             add("expert_fc2", m + "experts.linear_fc2")
@@ -245,7 +360,7 @@ def find_modules(chunk: nn.Module) -> ChunkModules:
                 (m + "experts", m + "experts.linear_fc1", m + "experts.linear_fc2"))
         else:
             for name in ("expert_fc1", "moe_act", "expert_fc2"):
-                why[name] = (f"the experts are a {type(experts).__name__}, one fused op without "
+                why[name] = (f"the experts are a {_describe(experts)}, one fused op without "
                              "fc1/fc2 submodules; use SequentialMLP or TEGroupedMLP")
     for name in NAMES:
         if name not in found.names and found.num_layers:
@@ -254,9 +369,9 @@ def find_modules(chunk: nn.Module) -> ChunkModules:
 
 
 def _default_absence(name: str) -> str:
-    if name in ("router", "expert_fc1", "moe_act", "expert_fc2"):
+    if name in _MOE_NAMES:
         return "no MoE layer (num_moe_experts is not set, or moe_layer_freq puts none here)"
-    if name in ("fc1", "mlp_act", "fc2"):
+    if name in _DENSE_MLP_NAMES:
         return "no dense MLP (every MLP is a MoE layer; use expert_fc1, moe_act, expert_fc2)"
     return "no such submodule in this model's transformer layers"
 
@@ -285,9 +400,11 @@ def _patterns(targets: list[str], all_names: list[str]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- compatibility
-def check_compatible(config: Any, names: Iterable[str]) -> None:
-    """Raise `OffloadError` if ``config`` (a megatron-core ``TransformerConfig``) switches on
-    something that cannot work with offloading ``names``, or that makes them do nothing."""
+def check_compatible(config: Any, names: Iterable[str], found: Sequence[ChunkModules] | None = None) -> None:
+    """Raise `OffloadError` if ``config`` (a megatron-core ``TransformerConfig``, or Megatron-LM's
+    args) switches on something that cannot work with offloading ``names``, or that makes them
+    do nothing. ``found`` (`find_modules` of the model chunks) tells which norms are modules of
+    their own; without it every norm is taken to be one."""
     names = list(names)
     if not names:
         return
@@ -302,26 +419,197 @@ def check_compatible(config: Any, names: Iterable[str]) -> None:
             "offload: Megatron's layer-level CPU offloading (--cpu-offloading) is on; it hooks "
             "the same saved tensors. Use one of the two."
         )
-    impl = getattr(config, "cuda_graph_impl", "none") or "none"
-    if impl != "none" or getattr(config, "enable_cuda_graph", False) or getattr(config, "external_cuda_graph", False):
+    check_cuda_graphs(config, names)
+    _check_recompute(config, names, found)
+
+
+def _grouped_act(found: ChunkModules) -> bool:
+    """Whether a ``moe_act`` region of ``found`` is a grouped experts module's (``TEGroupedMLP``,
+    whose activation ``recompute_modules=["moe_act"]`` checkpoints), not a SequentialMLP expert's."""
+    sequential = tuple(f"{qn}." for qn in found.sequential_experts)
+    return any(not mlp.startswith(sequential) for mlp, _, _ in found.act_regions.get("moe_act", ()))
+
+
+def _check_recompute(config: Any, names: list[str], found: Sequence[ChunkModules] | None) -> None:
+    """Refuse names that Megatron's selective recompute leaves nothing to offload in: their
+    region runs under ``no_grad`` (or, for ``moe_act``, saves only what the engine keeps)."""
+    if getattr(config, "recompute_granularity", None) != "selective":
+        return
+    modules = getattr(config, "recompute_modules", None)
+    recomputed = {"core_attn"} if modules is None else set(modules)  # megatron's default
+    separate = None if found is None else set().union(*(f.names for f in found))
+    clashes, leaf_note = [], False
+    for name in names:
+        hit = recomputed & set(_RECOMPUTED_BY.get(name, ()))
+        if not hit:
+            continue
+        if name in ("attn_norm", "mlp_norm") and separate is not None and name not in separate:
+            continue  # fused into the next linear layer: megatron recomputes only norm modules
+        if hit == {"moe_act"} and found is not None and not any(_grouped_act(f) for f in found):
+            continue  # SequentialMLP's experts have no activation recompute
+        clashes.append(f"{name} (recompute_modules has {', '.join(sorted(hit))})")
+        leaf_note |= hit == {"moe_act"}
+    if clashes:
+        note = ""
+        if leaf_note:
+            note = (" (moe_act with moe_act: the activation runs in a CheckpointWithoutOutput, which "
+                    "saves the fc1 output as a detached leaf that requires grad; the engine keeps such "
+                    "tensors on the GPU, so the group would offload nothing)")
         raise OffloadError(
-            f"offload: Megatron CUDA graphs are on (cuda_graph_impl={impl!r}); a replayed graph "
-            "runs without the offload hooks, so the captured layers cannot be offloaded yet. "
-            "Switch CUDA graphs off or drop --offload-modules."
+            "offload: these regions are recomputed in backward (--recompute-granularity selective "
+            f"--recompute-modules), so they save nothing to offload: {'; '.join(clashes)}{note}. "
+            "Recompute wins; drop them from --offload-modules or from --recompute-modules."
         )
-    if getattr(config, "recompute_granularity", None) == "selective":
-        recomputed = set(getattr(config, "recompute_modules", None) or ["core_attn"])
-        clashes = [
-            f"{name} (recompute_modules has {', '.join(sorted(recomputed & set(_RECOMPUTED_BY[name])))})"
-            for name in names
-            if recomputed & set(_RECOMPUTED_BY.get(name, ()))
-        ]
-        if clashes:
-            raise OffloadError(
-                "offload: these regions are recomputed in backward, so they save nothing to "
-                f"offload: {'; '.join(clashes)}. Recompute wins; drop them from "
-                "--offload-modules or from --recompute-modules."
-            )
+
+
+# Which offload names each per-layer capture region of Megatron's CUDA graphs contains
+# (TransformerLayer._forward_attention: input_layernorm .. self_attn_bda; _forward_mlp:
+# pre_mlp_layernorm .. mlp_bda, or up to the router for moe_router).
+_GRAPH_REGIONS: dict[str, tuple[str, ...]] = {
+    "attn": ("attn_norm", "qkv_linear", "core_attn", "attn_proj"),
+    "mlp": ("mlp_norm",) + _DENSE_MLP_NAMES,
+    "moe": ("mlp_norm",) + _MOE_NAMES,
+    "moe_router": ("mlp_norm", "router"),
+    "moe_preprocess": (),
+    "mamba": (),
+}
+
+
+@dataclass(frozen=True)
+class CudaGraphMode:
+    """Megatron's CUDA-graph setting, as `cuda_graph_mode` reads it from a config.
+
+    ``impl``: ``local``, ``transformer_engine`` or ``full_iteration``; ``modules``: the per-layer
+    capture regions (``attn``, ``mlp``, ``moe``, ``moe_router``, ``moe_preprocess``, ``mamba``),
+    empty for whole layers; ``whole_iteration``: one graph for the whole forward and backward;
+    ``flags``: the command-line flags that set it, for messages.
+    """
+
+    impl: str
+    modules: tuple[str, ...]
+    whole_iteration: bool
+    flags: str
+
+    @property
+    def label(self) -> str:
+        """``full_iteration``, ``<impl>:layer`` (whole layers) or ``<impl>:<region>+<region>``."""
+        if self.whole_iteration:
+            return "full_iteration"
+        return f"{self.impl}:{'+'.join(self.modules) or 'layer'}"
+
+    def captured(self, names: Iterable[str]) -> list[str]:
+        """Those of ``names`` whose modules run inside the graphs."""
+        if self.whole_iteration or not self.modules:
+            return list(names)
+        inside: set[str] = set()
+        for region in self.modules:
+            inside.update(_GRAPH_REGIONS.get(region, tuple(NAMES)))  # a region we do not know: all
+        return [n for n in names if n in inside]
+
+
+def _region_names(value: Any) -> list[str]:
+    """Capture regions from a config value: a list of enums or strings, a comma-separated
+    string, or ``"full"``/empty (whole layers)."""
+    if value is None:
+        return []
+    items = value if isinstance(value, (list, tuple)) else [value]
+    out: list[str] = []
+    for item in items:
+        if isinstance(item, str):
+            out.extend(part.strip() for part in item.split(",") if part.strip())
+        else:
+            out.append(str(getattr(item, "name", item)))
+    return [] if out == ["full"] else out
+
+
+def cuda_graph_mode(config: Any) -> CudaGraphMode | None:
+    """Megatron's CUDA-graph setting in ``config`` (a ``TransformerConfig`` of megatron-core 0.16
+    or 0.19, or Megatron-LM's args), or ``None`` when CUDA graphs are off.
+
+    0.16 reads ``cuda_graph_impl`` (none, local, transformer_engine) and ``cuda_graph_scope``
+    (``full_iteration`` there means one graph per iteration, with local); 0.19 adds the impl
+    ``full_iteration`` and names the regions ``cuda_graph_modules`` (``cuda_graph_scope`` is its
+    deprecated alias). The deprecated ``enable_cuda_graph`` and ``external_cuda_graph`` mean
+    local and transformer_engine.
+    """
+    impl = getattr(config, "cuda_graph_impl", None) or "none"
+    impl_flag = f"--cuda-graph-impl {impl}"
+    if impl == "none":
+        if getattr(config, "enable_cuda_graph", False):
+            impl, impl_flag = "local", "--enable-cuda-graph (= --cuda-graph-impl local)"
+        elif getattr(config, "external_cuda_graph", False):
+            impl, impl_flag = "transformer_engine", "--external-cuda-graph (= --cuda-graph-impl transformer_engine)"
+        else:
+            return None
+    if hasattr(config, "cuda_graph_modules"):  # 0.19
+        flag, regions = "--cuda-graph-modules", _region_names(config.cuda_graph_modules)
+        if not regions and getattr(config, "cuda_graph_scope", None) is not None:
+            flag, regions = "--cuda-graph-scope", _region_names(config.cuda_graph_scope)
+    else:  # 0.16
+        flag, regions = "--cuda-graph-scope", _region_names(getattr(config, "cuda_graph_scope", None))
+    flags = f"{impl_flag} {flag} {','.join(regions)}" if regions else impl_flag
+    whole_iteration = impl == "full_iteration" or "full_iteration" in regions
+    regions = [r for r in regions if r != "full_iteration"]
+    return CudaGraphMode(impl=impl, modules=tuple(regions), whole_iteration=whole_iteration, flags=flags)
+
+
+def check_cuda_graphs(config: Any, names: Iterable[str]) -> None:
+    """Raise `OffloadError` when ``config`` switches on Megatron's CUDA graphs while ``names``
+    are offloaded, naming the flags, the names inside the graphs and those outside them.
+
+    None of Megatron's graph modes works with this integration yet: a replayed graph runs
+    without the engine's hooks (names inside it would neither offload nor reload), and where
+    the graphs cover only part of a layer, their capture and warm-up run the layers outside
+    Megatron's schedule, which the engine's order does not know.
+    """
+    names = list(names)
+    mode = cuda_graph_mode(config)
+    if mode is None or not names:
+        return
+    if mode.whole_iteration:
+        what = "one graph for the whole forward and backward of an iteration"
+    elif not mode.modules:
+        what = "one graph per transformer layer, the whole layer"
+    else:
+        what = f"graphs of {', '.join(mode.modules)} in each transformer layer, the rest eager"
+    captured = mode.captured(names)
+    eager = [n for n in names if n not in captured]
+    parts = [f"offload: Megatron's CUDA graphs are on ({mode.flags}: {what})."]
+    if captured:
+        parts.append(f"Inside the graphs: {', '.join(captured)}; a replayed graph runs without the "
+                     "offload hooks, so their groups would neither offload nor reload.")
+    if eager:
+        parts.append(f"Outside them: {', '.join(eager)}; offloading next to Megatron's graphs is not "
+                     "supported yet either (their capture and warm-up run the layers outside "
+                     "Megatron's schedule).")
+    parts.append("Use --cuda-graph-impl none with --offload-modules, or drop --offload-modules.")
+    raise OffloadError(" ".join(parts))
+
+
+def to_megatron_names(names: str | Iterable[str], found: Sequence[ChunkModules] = ()) -> list[str]:
+    """``names`` for Megatron's own offloading (``TransformerConfig.offload_modules`` with
+    ``fine_grained_activation_offloading=True``), which must mean the same modules there.
+
+    Raises `OffloadError` for a name Megatron's offloading does not have (`MEGATRON_OWN_NAMES`),
+    and, given ``found``, for a norm fused into the next linear layer without that layer's name
+    (Megatron would drop the norm silently; this integration refuses it).
+    """
+    names = list(parse_module_list(names))
+    check_known(names, NAMES, "--offload-modules")
+    other = [n for n in names if n not in MEGATRON_OWN_NAMES]
+    if other:
+        raise OffloadError(
+            f"offload: Megatron's own offloading (--fine-grained-activation-offloading) has no "
+            f"{', '.join(other)}; the names it shares with this integration are "
+            f"{', '.join(sorted(MEGATRON_OWN_NAMES))}"
+        )
+    for name in names:
+        covering = next((f.covered[name] for f in found if name in f.covered and name not in f.names), None)
+        if covering is not None and covering not in names:
+            reason = next(f.absent[name] for f in found if name in f.absent)
+            raise OffloadError(f"offload: --offload-modules {name}: {reason}; Megatron's own offloading "
+                               f"would drop {name} silently")
+    return names
 
 
 # ------------------------------------------------------------------------------------ flags
@@ -492,9 +780,10 @@ class MegatronOffload:
     def last_stats(self) -> IterationStats | None:
         return _last_stats[0]
 
-    def attach_chunk(self, chunk: nn.Module, chunk_id: int) -> ChunkModules:
-        """Attach the configured names to one model chunk (its local virtual stage ``chunk_id``)."""
-        found = find_modules(chunk)
+    def attach_chunk(self, chunk: nn.Module, chunk_id: int, found: ChunkModules | None = None) -> ChunkModules:
+        """Attach the configured names to one model chunk (its local virtual stage ``chunk_id``);
+        ``found`` is its `find_modules` if already known."""
+        found = find_modules(chunk) if found is None else found
         self.found.append(found)
         if not self.enabled:
             return found
@@ -503,7 +792,8 @@ class MegatronOffload:
             name: _patterns(found.modules[name], all_names)
             for name in self.names if found.modules.get(name)
         }
-        offload.get_manager().declare_names(found.names)
+        # a covered norm has no group of its own: its covering name's groups hold what it saves
+        offload.get_manager().declare_names(found.names | {n for n, by in found.covered.items() if by in self.names})
         self._attached.append(offload.attach(chunk, mapping, chunk_id=chunk_id))
         self.mapping.append(mapping)
         modules = dict(chunk.named_modules())
@@ -524,9 +814,11 @@ class MegatronOffload:
         return found
 
     def check_names_exist(self) -> None:
-        """Raise `UnknownModuleError` for configured names that no attached chunk has."""
+        """Raise `UnknownModuleError` for configured names that no attached chunk has (a norm
+        fused into the next linear layer counts where that layer's name is configured too)."""
         have = set().union(*(f.names for f in self.found)) if self.found else set()
-        missing = [n for n in self.names if n not in have]
+        covered = {n for f in self.found for n, by in f.covered.items() if by in self.names}
+        missing = [n for n in self.names if n not in have and n not in covered]
         if not missing:
             return
         reasons = {}
@@ -576,10 +868,11 @@ def apply(
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     if not chunks:
         raise ValueError("offload: apply() needs at least one model chunk")
+    found = [find_modules(chunk) for chunk in chunks]
     for chunk in chunks:
         config = getattr(_unwrap(chunk), "config", None)
         if config is not None:
-            check_compatible(config, names)
+            check_compatible(config, names, found)
     if isinstance(policy, str) or policy is None:
         policy = parse_policy(policy)
     handle = MegatronOffload(names)
@@ -588,7 +881,7 @@ def apply(
                           max_inflight_groups=max_inflight_groups, policy=policy, device=device)
     try:
         for i, chunk in enumerate(chunks):
-            handle.attach_chunk(chunk, i)
+            handle.attach_chunk(chunk, i, found[i])
         handle.check_names_exist()
     except BaseException:
         handle.remove()
@@ -737,7 +1030,7 @@ def wrap_model_provider(
             ns = get_args()
         if "handle" not in state:
             opts = Options.from_args(ns)
-            check_compatible(getattr(_unwrap(chunk), "config", ns), opts.modules)
+            check_compatible(getattr(_unwrap(chunk), "config", ns), opts.modules, [find_modules(chunk)])
             handle = MegatronOffload(opts.modules)
             if opts.modules:
                 param = next(_unwrap(chunk).parameters(), None)  # offload from where the model lives

@@ -101,18 +101,32 @@ def apply_cpu_patches(pipeline: bool = False) -> pytest.MonkeyPatch:
     return mp
 
 
-def example_worker(rank: int, world: int, port: int, argv: list[str]) -> None:
-    """One rank of ``examples/megatron_gpt.py`` on the CPU (target of ``torch.multiprocessing.spawn``)."""
+def example_worker_main(argv: list[str], pipeline: bool = False) -> int:
+    """``examples/megatron_gpt.py``'s ``main(argv)`` with the CPU patches applied."""
     import importlib.util
-    import os
-    import sys
     from pathlib import Path
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    apply_cpu_patches(pipeline=True)
+    apply_cpu_patches(pipeline=pipeline)
     path = Path(__file__).resolve().parents[2] / "examples" / "megatron_gpt.py"
     spec = importlib.util.spec_from_file_location("megatron_gpt", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    sys.exit(example.main(argv))
+    return example.main(argv)
+
+
+def example_worker(rank: int, world: int, port: int, argv: list[str]) -> None:
+    """One rank of ``examples/megatron_gpt.py`` on the CPU (target of ``torch.multiprocessing.spawn``)."""
+    import os
+    import sys
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    sys.exit(example_worker_main(argv, pipeline=True))
+
+
+if __name__ == "__main__":
+    # ``python tests/integrations/megatron_cpu.py ARGS``: examples/megatron_gpt.py ARGS on the
+    # CPU, in one process (benchmarks/megatron_headtohead.py's tests launch it this way).
+    import sys
+
+    sys.exit(example_worker_main(sys.argv[1:]))

@@ -274,13 +274,10 @@ def test_without_names_nothing_is_attached_or_wrapped(mg):
     assert all(not m._forward_pre_hooks for m in model.modules())
 
 
-def test_selective_layernorm_recompute_composes_with_offloading(mg, monkeypatch):
-    """Megatron recomputes the norms (CheckpointWithoutOutput) and discards their outputs; the
-    linear layers after them save those outputs, which the checkpoint holds: the engine leaves
-    them alone (held elsewhere), and the gradients stay bitwise equal.
-
-    ``CheckpointWithoutOutput()`` takes its FP8 path even when FP8 is off (``fp8 is not None``
-    with ``fp8=False``), which needs Transformer Engine's FP8 state; stand-ins say "no FP8"."""
+@pytest.fixture
+def no_fp8(monkeypatch):
+    """``CheckpointWithoutOutput()`` takes its FP8 path even with FP8 off (``fp8 is not None``
+    with ``fp8=False``), which needs Transformer Engine's FP8 state: stand-ins that say "no FP8"."""
     import contextlib
 
     from megatron.core.tensor_parallel import random as mrandom
@@ -291,6 +288,12 @@ def test_selective_layernorm_recompute_composes_with_offloading(mg, monkeypatch)
     monkeypatch.setattr(mrandom, "FP8GlobalStateManager", NoFP8, raising=False)
     for name in ("activation_recompute_forward", "fp8_autocast"):
         monkeypatch.setattr(mrandom, name, lambda **kw: contextlib.nullcontext(), raising=False)
+
+
+def test_selective_layernorm_recompute_composes_with_offloading(mg, no_fp8):
+    """Megatron recomputes the norms (CheckpointWithoutOutput) and discards their outputs; the
+    linear layers after them save those outputs, which the checkpoint holds: the engine leaves
+    them alone (held elsewhere), and the gradients stay bitwise equal."""
     cfg = dict(recompute_granularity="selective", recompute_modules=["layernorm"])
     ref = train(build(layers=3, **cfg), fb_no_pipelining())
     model = build(layers=3, **cfg)

@@ -1,0 +1,354 @@
+"""This library's offloading against Megatron's own, on the same megatron-core model and flags.
+
+    python benchmarks/megatron_headtohead.py                     # every job -> docs/results/megatron/headtohead.json
+    python benchmarks/megatron_headtohead.py --workloads dense_16k --systems offload --graphs none
+    python benchmarks/megatron_headtohead.py --list              # the jobs and their commands; runs nothing
+    python benchmarks/megatron_headtohead.py --table-only        # the table in docs/megatron.md from the JSON
+
+A job is one (workload, system, CUDA-graph mode). It runs ``examples/megatron_gpt.py`` twice,
+each in a process of its own: the baseline (the same system and flags with offloading off) and
+the run with ``--offload-modules``. ``--system offload`` is this library
+(``offload.integrations.megatron``); ``--system megatron`` is Megatron's own
+``--fine-grained-activation-offloading`` with the same names. Each job becomes one record of
+``--out`` (merged by workload, system and CUDA-graph mode into what the file holds) with exactly
+the fields `RECORD_FIELDS`; per-run JSON files and logs go to ``--runs-dir``. A Markdown table of
+all records replaces the one between the ``headtohead`` markers of docs/megatron.md
+(``--markdown``). Any failed run makes the script exit 1, and a failed job writes no record.
+Variants (FP8, pipeline parallelism) go through ``--extra`` and get a ``--tag``:
+
+    python benchmarks/megatron_headtohead.py --extra "--fp8 current" --tag fp8-current
+    python benchmarks/megatron_headtohead.py --tag pp2-vpp2 --extra "--pp 2 --vpp 2 --microbatches 8" \\
+        --example "python -m torch.distributed.run --standalone --nproc-per-node 2 examples/megatron_gpt.py"
+
+Workloads (`WORKLOADS`; the model presets are in examples/megatron_gpt.py, sized for one 80 GB
+H100, Transformer Engine layer spec, bf16):
+
+* ``dsv3_proxy``: a DeepSeek-V3-like MoE (multi-latent attention, 32 fine-grained experts, top-4,
+  grouped GEMM), offloading ``expert_fc1,moe_act`` and the two norms; with CUDA graphs: attention
+  graphed by Transformer Engine, MoE eager (``transformer_engine:attn``).
+* ``dense_16k``: a dense GPT at sequence 16384 offloading ``qkv_linear,core_attn,attn_proj``; with
+  CUDA graphs: attention only, and whole layers.
+* ``moe_act_vs_full_recompute``: the MoE with ``moe_act`` offloaded and the rest recomputed
+  (``--recompute-modules core_attn,layernorm,mla_up_proj``); its baseline is full recompute
+  (``--recompute-granularity full``, uniform, one layer per unit) without offloading.
+
+This library refuses Megatron's CUDA graphs next to ``--offload-modules`` for now
+(`offload.integrations.megatron.check_cuda_graphs`): its graph jobs are left out unless
+``--include-refused``, where they fail with that error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORD_FIELDS = ("workload", "system", "cuda_graph", "modules", "step_ms", "peak_bytes", "baseline_step_ms",
+                 "baseline_peak_bytes", "losses_bitwise", "device", "command")
+SYSTEMS = ("offload", "megatron")
+MARKERS = ("<!-- headtohead:begin -->", "<!-- headtohead:end -->")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model and what to offload. ``offload_args`` go to the offloading run only, ``baseline_args``
+    to the baseline only (both to both runs when equal); ``graphs`` are the (impl, regions) CUDA-graph
+    modes to run besides none (``""``: whole layers)."""
+
+    name: str
+    model_args: tuple[str, ...]
+    modules: str
+    offload_args: tuple[str, ...] = ()
+    baseline_args: tuple[str, ...] | None = None
+    graphs: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def module_list(self) -> list[str]:
+        return [m for m in self.modules.split(",") if m]
+
+
+WORKLOADS: dict[str, Workload] = {w.name: w for w in (
+    Workload("dsv3_proxy", ("--model", "dsv3_proxy"), "attn_norm,mlp_norm,expert_fc1,moe_act",
+             graphs=(("transformer_engine", "attn"),)),
+    Workload("dense_16k", ("--model", "dense_16k"), "qkv_linear,core_attn,attn_proj",
+             graphs=(("transformer_engine", "attn"), ("transformer_engine", ""))),
+    Workload("moe_act_vs_full_recompute", ("--model", "dsv3_proxy"), "moe_act",
+             offload_args=("--recompute-modules", "core_attn,layernorm,mla_up_proj"),
+             baseline_args=("--recompute-granularity", "full", "--recompute-method", "uniform",
+                            "--recompute-num-layers", "1")),
+)}
+
+
+def graph_label(graph: tuple[str, str] | None) -> str:
+    """How records name a CUDA-graph mode (as `offload.integrations.megatron.CudaGraphMode.label`)."""
+    if graph is None:
+        return "none"
+    impl, regions = graph
+    return f"{impl}:{regions.replace(',', '+') or 'layer'}"
+
+
+@dataclass(frozen=True)
+class Job:
+    """One (workload, system, CUDA-graph mode): a baseline run and an offloading run."""
+
+    workload: Workload
+    system: str
+    graph: tuple[str, str] | None = None
+    measured_steps: int = 20
+    extra: tuple[str, ...] = field(default=())
+    tag: str = ""
+
+    @property
+    def name(self) -> str:
+        """The workload as records name it: with ``/<tag>`` for a variant (``--tag fp8-current``)."""
+        return f"{self.workload.name}/{self.tag}" if self.tag else self.workload.name
+
+    @property
+    def key(self) -> str:
+        graph = graph_label(self.graph).replace(":", "-").replace("+", "-")
+        return f"{self.name.replace('/', '-')}-{self.system}-{graph}"
+
+    @property
+    def warmup_steps(self) -> int:
+        return 2 if self.graph is None else 3 + 3  # the graphs' 3 warm-up steps, the capture, one more
+
+    def args(self, offloaded: bool) -> list[str]:
+        """The example's arguments for the baseline (``offloaded=False``) or the offloading run."""
+        w = self.workload
+        out = [*w.model_args, "--system", self.system,
+               "--steps", str(self.warmup_steps + self.measured_steps), "--warmup-steps", str(self.warmup_steps)]
+        if self.graph is not None:
+            impl, regions = self.graph
+            out += ["--cuda-graph-impl", impl, f"--cuda-graph-modules={regions}"]
+        out += list(w.offload_args if offloaded or w.baseline_args is None else w.baseline_args)
+        if offloaded:
+            out.append(f"--offload-modules={w.modules}")
+        return out + list(self.extra)
+
+
+def build_jobs(workloads: list[Workload], systems: list[str], graphs: str = "all", include_refused: bool = False,
+               measured_steps: int = 20, extra: tuple[str, ...] = (), tag: str = "") -> list[Job]:
+    """The jobs: each workload × system without graphs (``graphs`` ``all`` or ``none``), and with
+    each of the workload's graph modes (``all`` or ``only``) where the system runs them (this
+    library: only ``include_refused``)."""
+    jobs = []
+    for w in workloads:
+        for system in systems:
+            modes: list[tuple[str, str] | None] = [] if graphs == "only" else [None]
+            if graphs != "none" and (system == "megatron" or include_refused):
+                modes += list(w.graphs)
+            jobs += [Job(w, system, g, measured_steps, tuple(extra), tag) for g in modes]
+    return jobs
+
+
+def _ranks_max(run: dict, key: str) -> float | None:
+    values = [v for v in run.get(key) or [] if v is not None]
+    return max(values) if values else None
+
+
+def peak_bytes(run: dict) -> int | None:
+    """The run's peak: allocated memory plus the CUDA graphs' private pools, on its fullest rank."""
+    per_rank = run.get("per_rank") or []
+    totals = [(r.get("peak_memory_bytes") or 0) + (r.get("graph_pool_bytes") or 0)
+              for r in per_rank if r.get("peak_memory_bytes") is not None]
+    return max(totals) if totals else None
+
+
+def losses_bitwise(baseline: dict, offloaded: dict) -> bool:
+    """Whether every microbatch loss of every step is the same float (``loss_hex``)."""
+    return bool(baseline.get("loss_hex")) and baseline.get("loss_hex") == offloaded.get("loss_hex")
+
+
+def build_record(job: Job, baseline: dict, offloaded: dict, command: str) -> dict:
+    """The job's record (`RECORD_FIELDS`) from its two runs' JSON."""
+    step = _ranks_max(offloaded, "median_step_time_ms")
+    base_step = _ranks_max(baseline, "median_step_time_ms")
+    return {
+        "workload": job.name,
+        "system": job.system,
+        "cuda_graph": offloaded.get("cuda_graph") or graph_label(job.graph),
+        "modules": job.workload.module_list,
+        "step_ms": None if step is None else round(step, 3),
+        "peak_bytes": peak_bytes(offloaded),
+        "baseline_step_ms": None if base_step is None else round(base_step, 3),
+        "baseline_peak_bytes": peak_bytes(baseline),
+        "losses_bitwise": losses_bitwise(baseline, offloaded),
+        "device": offloaded.get("device"),
+        "command": command,
+    }
+
+
+def run_failure(rc: int | None, result: dict | None) -> str | None:
+    """Why a run failed (exit status, missing JSON, ``ok`` false), or ``None``."""
+    if rc not in (0, None):
+        return f"exit status {rc}"
+    if result is None:
+        return "no JSON written"
+    if not result.get("ok"):
+        errors = [r.get("error", "") for r in result.get("per_rank") or [] if r.get("error")]
+        return (errors[0].strip().splitlines() or ["ok is false"])[-1] if errors else "ok is false"
+    return None
+
+
+def run_example(example: list[str], args: list[str], out: Path, timeout: float) -> tuple[int | None, dict | None, str]:
+    """Run the example once (its own process); (exit status, its JSON or None, the command)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.unlink(missing_ok=True)
+    cmd = [*example, *args, "--json", str(out)]
+    log = out.with_suffix(".log")
+    t0 = time.time()
+    with log.open("w") as fh:
+        try:
+            rc: int | None = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
+                                            timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    result = json.loads(out.read_text()) if out.exists() else None
+    print(f"  {out.stem}: rc={rc} in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    return rc, result, shlex.join(cmd)
+
+
+def run_job(job: Job, example: list[str], runs_dir: Path, timeout: float,
+            reuse: bool) -> tuple[dict | None, str | None]:
+    """Run (or, with ``reuse``, read back) a job's two runs; (record, failure)."""
+    results = {}
+    commands = {}
+    for offloaded in (False, True):
+        args = job.args(offloaded)
+        out = runs_dir / f"{job.key}-{'offload' if offloaded else 'baseline'}.json"
+        cached = json.loads(out.read_text()) if reuse and out.exists() else None
+        if cached is not None and cached.get("ok"):
+            results[offloaded], commands[offloaded] = cached, shlex.join([*example, *args, "--json", str(out)])
+            continue
+        rc, result, command = run_example(example, args, out, timeout)
+        why = run_failure(rc, result)
+        if why is not None:
+            return None, f"{out.stem}: {why} (log: {out.with_suffix('.log')})"
+        results[offloaded], commands[offloaded] = result, command
+    return build_record(job, results[False], results[True], commands[True]), None
+
+
+def record_key(record: dict) -> tuple[str, str, str]:
+    return record["workload"], record["system"], record["cuda_graph"]
+
+
+def merge_records(existing: list[dict], new: list[dict]) -> list[dict]:
+    """``existing`` with ``new`` in place of records of the same workload, system and graph mode."""
+    by_key = {record_key(r): r for r in existing}
+    by_key.update({record_key(r): r for r in new})
+    return sorted(by_key.values(), key=record_key)
+
+
+def _gib(n: int | None) -> str:
+    return "–" if n is None else f"{n / 2**30:.2f}"
+
+
+def _change(base: float | None, value: float | None) -> str:
+    return "" if not base or value is None else f" ({100 * (value / base - 1):+.1f}%)"
+
+
+def markdown_table(records: list[dict]) -> str:
+    """One row per record: step time and peak, baseline → offloading."""
+    lines = ["| workload | system | CUDA graphs | modules | step ms, baseline → offload | "
+             "peak GiB, baseline → offload | losses bitwise | device |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        step = f"{r['baseline_step_ms']} → {r['step_ms']}{_change(r['baseline_step_ms'], r['step_ms'])}"
+        peak = (f"{_gib(r['baseline_peak_bytes'])} → {_gib(r['peak_bytes'])}"
+                f"{_change(r['baseline_peak_bytes'], r['peak_bytes'])}")
+        lines.append(f"| {r['workload']} | {r['system']} | {r['cuda_graph']} | {','.join(r['modules'])} | {step} | "
+                     f"{peak} | {r['losses_bitwise']} | {r['device']} |")
+    return "\n".join(lines) + "\n"
+
+
+def update_markdown(path: Path, table: str) -> None:
+    """Replace what lies between the ``headtohead`` markers of ``path`` with ``table``."""
+    text = path.read_text()
+    begin, end = MARKERS
+    if begin not in text or end not in text:
+        raise SystemExit(f"{path}: no {begin} ... {end} markers to put the table between")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{begin}\n{table}{end}{tail}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, of: " + ", ".join(WORKLOADS))
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of: offload, megatron")
+    p.add_argument("--graphs", choices=["all", "none", "only"], default="all",
+                   help="all: without and with each workload's CUDA-graph modes; none: without; only: with")
+    p.add_argument("--include-refused", action="store_true",
+                   help="also this library with Megatron's CUDA graphs (refused for now: these jobs fail)")
+    p.add_argument("--measured-steps", type=int, default=20, help="timed steps per run, after the warm-up")
+    p.add_argument("--extra", default="", help="appended to every run's arguments (e.g. '--fp8 current')")
+    p.add_argument("--tag", default="", help="a variant's name: records say <workload>/<tag> (e.g. fp8-current)")
+    p.add_argument("--example", default=f"{shlex.quote(sys.executable)} examples/megatron_gpt.py",
+                   help="the command that runs the example (default: this Python)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    p.add_argument("--runs-dir", type=Path, default=ROOT / "docs/results/megatron/headtohead_runs")
+    p.add_argument("--out", type=Path, default=ROOT / "docs/results/megatron/headtohead.json")
+    p.add_argument("--markdown", type=Path, default=ROOT / "docs/megatron.md",
+                   help="the file whose headtohead markers get the table ('-': none)")
+    p.add_argument("--reuse", action="store_true", help="read back runs whose JSON in --runs-dir is ok")
+    p.add_argument("--list", action="store_true", help="print the jobs and their commands; run nothing")
+    p.add_argument("--table-only", action="store_true", help="only write the table from --out")
+    args = p.parse_args(argv)
+    unknown = [w for w in args.workloads.split(",") if w not in WORKLOADS]
+    unknown += [s for s in args.systems.split(",") if s not in SYSTEMS]
+    if unknown:
+        p.error(f"unknown workload or system: {', '.join(unknown)}")
+    return args
+
+
+def write_outputs(out: Path, records: list[dict], markdown: Path | None) -> None:
+    existing = json.loads(out.read_text()) if out.exists() else []
+    merged = merge_records(existing, records)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(merged, indent=1) + "\n")
+    table = markdown_table(merged)
+    out.with_suffix(".md").write_text(table)
+    if markdown is not None:
+        update_markdown(markdown, table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    markdown = None if str(args.markdown) == "-" else args.markdown
+    if args.table_only:
+        write_outputs(args.out, [], markdown)
+        return 0
+    jobs = build_jobs([WORKLOADS[w] for w in args.workloads.split(",")], args.systems.split(","), args.graphs,
+                      args.include_refused, args.measured_steps, tuple(shlex.split(args.extra)), args.tag)
+    example = shlex.split(args.example)
+    if args.list:
+        for job in jobs:
+            for offloaded in (False, True):
+                which = "offload " if offloaded else "baseline"
+                print(f"{job.key} {which}: {shlex.join([*example, *job.args(offloaded)])}")
+        return 0
+    records, failures = [], []
+    for job in jobs:
+        print(f"{job.key}:", file=sys.stderr, flush=True)
+        record, failure = run_job(job, example, args.runs_dir, args.timeout, args.reuse)
+        if record is not None:
+            records.append(record)
+        else:
+            failures.append(failure)
+    write_outputs(args.out, records, markdown)
+    print(markdown_table(records), end="")
+    if failures:
+        print(f"megatron_headtohead.py: {len(failures)} of {len(jobs)} job(s) failed:\n  " + "\n  ".join(failures),
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

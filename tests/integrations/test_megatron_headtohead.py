@@ -1,0 +1,185 @@
+"""benchmarks/megatron_headtohead.py and the flags it drives in examples/megatron_gpt.py (CPU).
+
+The GPU runs are not made here: the job list and commands, the records built from two runs'
+JSON, the table, failures (exit status 1, no record), and one small job end to end through the
+example on the CPU (local layer spec, gloo).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from offload.errors import OffloadError  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU_EXAMPLE = f"{sys.executable} {ROOT / 'tests/integrations/megatron_cpu.py'}"
+TINY = ("--transformer-impl local --layers 2 --hidden 64 --heads 4 --query-groups 2 --ffn 96 --seq 16 "
+        "--vocab 128 --device cpu --offload-min-tensor-bytes 0")
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def h2h():
+    return _load("megatron_headtohead", ROOT / "benchmarks/megatron_headtohead.py")
+
+
+@pytest.fixture
+def example(megatron_cpu):
+    return _load("megatron_gpt_example", ROOT / "examples/megatron_gpt.py")
+
+
+def _run(loss_hex, step_ms, peak, pools=0, ok=True, device="NVIDIA H100 80GB HBM3", graph="none"):
+    return {"ok": ok, "loss_hex": loss_hex, "device": device, "cuda_graph": graph,
+            "median_step_time_ms": [step_ms], "per_rank": [{"peak_memory_bytes": peak, "graph_pool_bytes": pools}]}
+
+
+# ----------------------------------------------------------------------------- the jobs
+def test_jobs_cover_each_workload_and_system_with_megatrons_graph_modes(h2h):
+    jobs = h2h.build_jobs(list(h2h.WORKLOADS.values()), ["offload", "megatron"])
+    keys = [j.key for j in jobs]
+    assert keys == ["dsv3_proxy-offload-none", "dsv3_proxy-megatron-none",
+                    "dsv3_proxy-megatron-transformer_engine-attn",
+                    "dense_16k-offload-none", "dense_16k-megatron-none", "dense_16k-megatron-transformer_engine-attn",
+                    "dense_16k-megatron-transformer_engine-layer",
+                    "moe_act_vs_full_recompute-offload-none", "moe_act_vs_full_recompute-megatron-none"]
+    refused = h2h.build_jobs([h2h.WORKLOADS["dense_16k"]], ["offload"], include_refused=True)
+    labels = [h2h.graph_label(j.graph) for j in refused]
+    assert labels == ["none", "transformer_engine:attn", "transformer_engine:layer"]
+    assert len(h2h.build_jobs(list(h2h.WORKLOADS.values()), ["megatron"], graphs="none")) == 3
+    only = h2h.build_jobs(list(h2h.WORKLOADS.values()), ["offload", "megatron"], graphs="only")
+    assert [j.key for j in only] == [k for k in keys if not k.endswith("-none")]
+
+
+def test_job_commands_differ_only_in_offloading(h2h):
+    dense = h2h.Job(h2h.WORKLOADS["dense_16k"], "megatron", ("transformer_engine", "attn"), measured_steps=5)
+    base, off = dense.args(False), dense.args(True)
+    assert off == base + ["--offload-modules=qkv_linear,core_attn,attn_proj"]
+    assert base[:4] == ["--model", "dense_16k", "--system", "megatron"]
+    assert "--cuda-graph-modules=attn" in base and base[base.index("--warmup-steps") + 1] == "6"
+    assert base[base.index("--steps") + 1] == "11"
+    recompute = h2h.Job(h2h.WORKLOADS["moe_act_vs_full_recompute"], "offload")
+    base, off = recompute.args(False), recompute.args(True)
+    assert "--recompute-granularity" in base and "full" in base and "--recompute-modules" not in base
+    assert off[-3:] == ["--recompute-modules", "core_attn,layernorm,mla_up_proj", "--offload-modules=moe_act"]
+
+
+# --------------------------------------------------------------------------- the records
+def test_record_has_exactly_the_fields_and_counts_graph_pools(h2h):
+    job = h2h.Job(h2h.WORKLOADS["dsv3_proxy"], "megatron", ("transformer_engine", "attn"))
+    base = _run([["0x1.8p+1", "0x1.4p+1"]], 100.0, 10 << 30, pools=1 << 30, graph="transformer_engine:attn")
+    off = _run([["0x1.8p+1", "0x1.4p+1"]], 101.5, 8 << 30, pools=1 << 30, graph="transformer_engine:attn")
+    record = h2h.build_record(job, base, off, "python examples/megatron_gpt.py ...")
+    assert tuple(record) == h2h.RECORD_FIELDS
+    assert record == {
+        "workload": "dsv3_proxy", "system": "megatron", "cuda_graph": "transformer_engine:attn",
+        "modules": ["attn_norm", "mlp_norm", "expert_fc1", "moe_act"], "step_ms": 101.5, "peak_bytes": 9 << 30,
+        "baseline_step_ms": 100.0, "baseline_peak_bytes": 11 << 30, "losses_bitwise": True,
+        "device": "NVIDIA H100 80GB HBM3", "command": "python examples/megatron_gpt.py ...",
+    }
+    off["loss_hex"] = [["0x1.8p+1", "0x1.4000000000001p+1"]]
+    assert h2h.build_record(job, base, off, "")["losses_bitwise"] is False
+    assert h2h.losses_bitwise(_run([], 1, 1), _run([], 1, 1)) is False  # no losses: nothing shown equal
+
+
+def test_run_failures_are_named(h2h):
+    assert h2h.run_failure(0, _run([["0x1p+0"]], 1, 1)) is None
+    assert h2h.run_failure(1, None) == "exit status 1"
+    assert h2h.run_failure(0, None) == "no JSON written"
+    error = "Traceback ...\nOffloadError: offload: Megatron's CUDA graphs are on"
+    failed = {"ok": False, "per_rank": [{"error": error}]}
+    assert h2h.run_failure(0, failed) == "OffloadError: offload: Megatron's CUDA graphs are on"
+
+
+def test_records_merge_by_key_and_the_table_goes_between_the_markers(h2h, tmp_path):
+    job = h2h.Job(h2h.WORKLOADS["dense_16k"], "offload")
+    old = h2h.build_record(job, _run([["0x1p+0"]], 100.0, 4 << 30), _run([["0x1p+0"]], 200.0, 3 << 30), "old")
+    new = h2h.build_record(job, _run([["0x1p+0"]], 100.0, 4 << 30), _run([["0x1p+0"]], 102.0, 3 << 30), "new")
+    other = dict(new, system="megatron")
+    merged = h2h.merge_records([old, other], [new])
+    assert [r["command"] for r in merged] == ["new", "new"] and [r["system"] for r in merged] == ["megatron", "offload"]
+    table = h2h.markdown_table([new])
+    assert ("| dense_16k | offload | none | qkv_linear,core_attn,attn_proj | 100.0 → 102.0 (+2.0%) | "
+            "4.00 → 3.00 (-25.0%) | True |") in table
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"intro\n{h2h.MARKERS[0]}\nstale\n{h2h.MARKERS[1]}\noutro\n")
+    h2h.update_markdown(doc, table)
+    assert doc.read_text() == f"intro\n{h2h.MARKERS[0]}\n{table}{h2h.MARKERS[1]}\noutro\n"
+    (tmp_path / "bare.md").write_text("no markers\n")
+    with pytest.raises(SystemExit, match="markers"):
+        h2h.update_markdown(tmp_path / "bare.md", table)
+    assert h2h.MARKERS[0] in (ROOT / "docs/megatron.md").read_text()
+
+
+# ------------------------------------------------------------------------- the driver runs
+def test_a_failed_run_exits_1_and_writes_no_record(h2h, tmp_path, capsys):
+    failing = f"{sys.executable} -c 'import sys; sys.exit(3)'"
+    out = tmp_path / "h2h.json"
+    rc = h2h.main(["--workloads", "dense_16k", "--systems", "offload", "--example", failing,
+                   "--runs-dir", str(tmp_path / "runs"), "--out", str(out), "--markdown", "-"])
+    assert rc == 1
+    assert json.loads(out.read_text()) == []
+    assert "1 of 1 job(s) failed" in capsys.readouterr().err
+
+
+def test_one_job_end_to_end_on_the_cpu(h2h, tmp_path):
+    out, doc = tmp_path / "h2h.json", tmp_path / "megatron.md"
+    doc.write_text(f"{h2h.MARKERS[0]}\n{h2h.MARKERS[1]}\n")
+    rc = h2h.main(["--workloads", "dense_16k", "--systems", "offload", "--measured-steps", "2", "--extra", TINY,
+                   "--example", CPU_EXAMPLE, "--runs-dir", str(tmp_path / "runs"), "--out", str(out),
+                   "--markdown", str(doc)])
+    assert rc == 0
+    [record] = json.loads(out.read_text())
+    assert record["workload"] == "dense_16k" and record["system"] == "offload" and record["cuda_graph"] == "none"
+    assert record["losses_bitwise"] is True and record["device"] == "cpu" and record["step_ms"] > 0
+    assert record["command"].endswith("--offload-modules=qkv_linear,core_attn,attn_proj " + TINY + " --json "
+                                      + str(tmp_path / "runs" / "dense_16k-offload-none-offload.json"))
+    run = json.loads((tmp_path / "runs" / "dense_16k-offload-none-offload.json").read_text())
+    assert run["per_rank"][0]["offload"]["by_name"]["core_attn"]["bytes_offloaded"] > 0
+    assert "| dense_16k | offload | none |" in doc.read_text()
+
+
+# -------------------------------------------------------------------- the example's flags
+def test_example_flags_that_need_transformer_engine_say_so(example, capsys):
+    if example.transformer_engine_error() is None:
+        pytest.skip("Transformer Engine imports here")
+    for argv, message in [
+        (["--model", "dense_16k"], "needs Transformer Engine, which does not import here"),
+        (["--transformer-impl", "transformer_engine"], "install it (docs/te.md) or use --transformer-impl local"),
+        (["--system", "megatron"], "--system megatron needs --transformer-impl transformer_engine"),
+        (["--fp8", "current"], "--fp8 current needs --transformer-impl transformer_engine"),
+    ]:
+        with pytest.raises(SystemExit):
+            example.parse_args([*argv, "--device", "cpu"])
+        assert message in capsys.readouterr().err
+
+
+def test_example_config_for_megatrons_own_offloading_fp8_recompute_and_graphs(example):
+    args = example.parse_args(["--model", "dsv3_proxy", "--transformer-impl", "local", "--device", "cpu",
+                               "--offload-modules=expert_fc1,moe_act", "--recompute-granularity", "full"])
+    args.system, args.fp8 = "megatron", "current"  # past the Transformer Engine checks
+    args.cuda_graph_impl, args.cuda_graph_modules = "transformer_engine", "attn,moe_router"
+    kw = example.config_kwargs(args)
+    assert kw["fine_grained_activation_offloading"] is True and kw["offload_modules"] == ["expert_fc1", "moe_act"]
+    assert kw["min_offloaded_tensor_size"] == (1 << 20) // 4  # bytes -> fp32 elements on the CPU
+    assert (kw["fp8"], kw["fp8_recipe"]) == ("hybrid", "tensorwise")
+    assert (kw["recompute_method"], kw["recompute_num_layers"]) == ("uniform", 1)
+    assert kw["cuda_graph_impl"] == "transformer_engine"
+    assert kw.get("cuda_graph_modules", kw.get("cuda_graph_scope")) == ["attn", "moe_router"]
+    assert kw["multi_latent_attention"] and kw["moe_grouped_gemm"] and kw["gated_linear_unit"]
+    args.offload_modules = ["fc1"]
+    with pytest.raises(OffloadError, match="Megatron's own offloading .* has no fc1"):
+        example.config_kwargs(args)
