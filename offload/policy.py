@@ -75,7 +75,10 @@ class TensorPolicy:
     def eligible(self, t: torch.Tensor, nbytes: int) -> bool:
         """Every test but the storage's: ``t`` (of ``nbytes``) is a plain dense tensor on our
         device, large enough, and neither a leaf that requires grad nor a view of one or of a
-        parameter (a frozen one, or FSDP2's unsharded parameters, fresh storages every step)."""
+        parameter (a frozen one, or FSDP2's unsharded parameters, fresh storages every step).
+        A view made without autograd of an activation (``torch.split`` inside a custom
+        Function's forward, as Transformer Engine's ``GroupedLinear`` saves its per-expert
+        inputs) reads as a leaf that requires grad, but its storage is the activation's."""
         if nbytes < self.min_tensor_bytes:
             below = self.below_min
             below[0] += 1
@@ -85,10 +88,10 @@ class TensorPolicy:
             return False
         if not self._owns(t):
             return False
-        if t.requires_grad and t.is_leaf:
-            return False
         base = t._base
-        return base is None or not (base.requires_grad and base.is_leaf or isinstance(base, torch.nn.Parameter))
+        if base is None:
+            return not (t.requires_grad and t.is_leaf)
+        return not (base.is_leaf and (base.requires_grad or t.requires_grad) or isinstance(base, torch.nn.Parameter))
 
     def blocked(self, ptr: int) -> bool:
         """Whether the storage at address ``ptr`` is marked never-offload (or a parameter's)."""

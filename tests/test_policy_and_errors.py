@@ -45,6 +45,23 @@ def test_policy_rejects_leaf_inputs_small_and_foreign_tensors():
     assert not p.admits(torch.randn(100).to_sparse())
 
 
+def test_policy_admits_views_of_activations_made_without_autograd():
+    """``torch.split`` inside a custom Function's forward (TE's ``GroupedLinear`` saves its
+    per-expert inputs so) gives views that read as leaves requiring grad; their storage is the
+    activation's, so they may leave. A view of a user leaf made so stays."""
+    p = _policy()
+    x = torch.randn(6, 4, requires_grad=True)
+    y = x * 2
+    with torch.no_grad():
+        parts = torch.split(y, [2, 4])
+        of_leaf = x.view(24)
+    assert parts[0].is_leaf and parts[0].requires_grad  # what autograd reports
+    assert all(p.admits(part) for part in parts)
+    assert not p.admits(of_leaf)
+    plain = torch.randn(24)
+    assert p.admits(plain.view(4, 6)) and not p.admits(plain.view(4, 6).requires_grad_())
+
+
 def test_policy_rejects_subclasses():
     class Sub(torch.Tensor):
         pass

@@ -12,7 +12,7 @@ spec (``get_gpt_layer_with_transformer_engine_spec``):
   autograd function (it also takes MLA's different q/k and v head sizes).
 * `TEColumnParallelGroupedLinear` / `TERowParallelGroupedLinear`: grouped GEMMs with
   ``weight0..weightN`` parameters and the ``(input, m_splits)`` call that megatron-core's real
-  ``TEGroupedMLP`` makes; with them the real ``TEGroupedMLP`` runs on the CPU, its
+  ``TEGroupedMLP`` makes, saving the per-expert input splits as TE's autograd function does; with them the real ``TEGroupedMLP`` runs on the CPU, its
   ``moe_act`` recompute (``CheckpointWithoutOutput``) included.
 * `TEFusedMLP`: a dense MLP whose forward does not call its fc1/fc2 submodules, as
   Transformer Engine's operation fuser does.
@@ -77,8 +77,28 @@ class _TEGroupedLinear(torch.nn.Module):
             self.register_parameter(f"weight{i}", torch.nn.Parameter(weight))
 
     def forward(self, x: torch.Tensor, m_splits: list[int]) -> tuple[torch.Tensor, None]:
+        weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+        return _GroupedGemm.apply(x, m_splits, *weights), None
+
+
+class _GroupedGemm(torch.autograd.Function):
+    """TE's ``_GroupedLinear``: splits the input inside its forward (autograd off) and saves
+    the per-expert parts, views that read as leaves requiring grad."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, m_splits: list[int], *weights: torch.Tensor) -> torch.Tensor:
         parts = torch.split(x, m_splits)
-        return torch.cat([p @ getattr(self, f"weight{i}").t() for i, p in enumerate(parts)]), None
+        ctx.m_splits = m_splits
+        ctx.save_for_backward(*parts, *weights)
+        return torch.cat([p @ w.t() for p, w in zip(parts, weights)])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        saved = ctx.saved_tensors
+        parts, weights = saved[:len(ctx.m_splits)], saved[len(ctx.m_splits):]
+        grads = torch.split(grad, ctx.m_splits)
+        dx = torch.cat([g @ w for g, w in zip(grads, weights)])
+        return (dx, None, *(g.t() @ p for g, p in zip(grads, parts)))
 
 
 class TEColumnParallelGroupedLinear(_TEGroupedLinear):
