@@ -8,7 +8,10 @@ milliseconds, which ruins overlap if it happens on the hot path. This pool
   and pins it with ``cudaHostRegister``: the bytes pinned are the bytes asked for, rounded
   to a size class at most 1/32 larger;
 * allocates only on a miss: in steady state (same activation sizes every iteration) it
-  allocates nothing after the first iteration;
+  allocates nothing after the first iteration. Sizes that change every iteration (a mixture of
+  experts' per-expert inputs, whose token counts follow the routing) take the smallest free
+  buffer of at most twice their size class, so the pool stops growing once it holds buffers
+  for the largest sizes seen, instead of allocating (milliseconds each) every iteration;
 * remembers, for each buffer, the event of the last host-to-device copy that read it, so
   the next device-to-host copy into it waits for that read on the GPU (no host sync).
 
@@ -17,6 +20,7 @@ On the CPU fallback the buffers are ordinary (pageable) host tensors.
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import time
 import warnings
@@ -69,6 +73,7 @@ class PinnedHostPool:
         self.pin = pin
         self.max_bytes = max_bytes
         self._free: dict[int, list[HostBuffer]] = {}
+        self._classes: list[int] = []  # the keys of `_free`, sorted
         self._all: list[HostBuffer] = []
         self.bytes_total = 0
         self.bytes_in_use = 0
@@ -89,9 +94,8 @@ class PinnedHostPool:
         """
         cls = _PAGE if nbytes <= _PAGE else size_class(nbytes)
         free = self._free.get(cls)
-        if not free and capturing:  # a capture takes the smallest larger buffer rather than fail
-            larger = [c for c, bufs in self._free.items() if bufs and c > cls]
-            free = self._free[min(larger)] if larger else None
+        if not free:  # a capture takes any larger buffer rather than fail
+            free = self._smallest_larger(cls, None if capturing else 2 * cls)
         if free:
             buf = free.pop()
         else:
@@ -118,7 +122,23 @@ class PinnedHostPool:
         if last_read is not None:
             buf.last_read = last_read
         self.bytes_in_use -= buf.nbytes
-        self._free.setdefault(buf.nbytes, []).append(buf)
+        free = self._free.get(buf.nbytes)
+        if free is None:
+            free = self._free[buf.nbytes] = []
+            bisect.insort(self._classes, buf.nbytes)
+        free.append(buf)
+
+    def _smallest_larger(self, cls: int, limit: int | None) -> list[HostBuffer] | None:
+        """The free list of the smallest class above ``cls`` (and at most ``limit``) that has a
+        free buffer, or ``None``."""
+        classes = self._classes
+        for i in range(bisect.bisect_right(classes, cls), len(classes)):
+            c = classes[i]
+            if limit is not None and c > limit:
+                return None
+            if self._free[c]:
+                return self._free[c]
+        return None
 
     @property
     def num_buffers(self) -> int:
@@ -133,6 +153,7 @@ class PinnedHostPool:
             buf._mapping = None
         self._all.clear()
         self._free.clear()
+        self._classes.clear()
         self.bytes_total = self.bytes_in_use = 0
 
     def _allocate(self, nbytes: int) -> HostBuffer | None:

@@ -376,6 +376,45 @@ def test_pool_reuses_buffers():
     assert pool.bytes_total == 0
 
 
+def test_pool_stops_growing_when_sizes_change_every_iteration():
+    """A mixture of experts' per-expert inputs: 32 buffers an iteration whose sizes follow an
+    uneven routing that changes every iteration (same total). Larger free buffers, up to twice
+    the size class, serve them: the pool settles near the demand and allocates only for a new
+    largest size. Exact size classes alone (control) keep allocating and pin 5x the demand."""
+    row, tokens = 2048 * 2, 32 * 1024  # one token of hidden 2048 in bf16
+
+    def run(pool):
+        gen = torch.Generator().manual_seed(0)
+        allocations = []
+        for _ in range(40):
+            counts = torch.multinomial(torch.rand(32, generator=gen) + 0.5, tokens, replacement=True,
+                                       generator=gen).bincount(minlength=32)
+            bufs = [pool.acquire(int(n) * row) for n in counts]
+            for buf in bufs:
+                pool.release(buf)
+            allocations.append(pool.allocations)
+        return allocations, pool.bytes_total / (tokens * row)
+
+    allocations, pinned = run(PinnedHostPool(pin=False))
+    assert allocations[-1] <= 48 and allocations[-1] - allocations[19] <= 4 and pinned < 2
+    exact = PinnedHostPool(pin=False)
+    exact._smallest_larger = lambda cls, limit: None
+    allocations, pinned = run(exact)
+    assert allocations[-1] > 120 and pinned > 4
+
+
+def test_pool_takes_larger_buffers_up_to_twice_the_size():
+    pool = PinnedHostPool(pin=False)
+    big = pool.acquire(3 * 2**20)
+    pool.release(big)
+    assert pool.acquire(2 * 2**20) is big and pool.allocations == 1  # 1.5x: taken
+    pool.release(big)
+    small = pool.acquire(2**20)  # 3x: a buffer of its own
+    assert small is not big and pool.allocations == 2
+    pool.release(small)
+    assert pool.acquire(2**20) is small  # the exact class first
+
+
 def test_pool_refuses_to_allocate_during_capture():
     pool = PinnedHostPool(pin=False)
     with pytest.raises(OffloadError, match="pinned host buffer of 100 bytes was needed while a CUDA graph"):
