@@ -7,7 +7,8 @@
 
 A job is one (workload, system, CUDA-graph mode). It runs ``examples/megatron_gpt.py`` twice,
 each in a process of its own: the baseline (the same system and flags with offloading off) and
-the run with ``--offload-modules``. ``--system offload`` is this library
+the run with ``--offload-modules``; a workload whose baseline has flags of its own (full
+recompute) runs a third time, its offloading flags with offloading off, for the losses. ``--system offload`` is this library
 (``offload.integrations.megatron``); ``--system megatron`` is Megatron's own
 ``--fine-grained-activation-offloading`` with the same names. Each job becomes one record of
 ``--out`` (merged by workload, system and CUDA-graph mode into what the file holds) with exactly
@@ -30,7 +31,8 @@ H100, Transformer Engine layer spec, bf16):
   CUDA graphs: attention only, and whole layers.
 * ``moe_act_vs_full_recompute``: the MoE with ``moe_act`` offloaded and the rest recomputed
   (``--recompute-modules core_attn,layernorm,mla_up_proj``); its baseline is full recompute
-  (``--recompute-granularity full``, uniform, one layer per unit) without offloading.
+  (``--recompute-granularity full``, uniform, one layer per unit) without offloading, and its
+  losses are compared with the same selective recompute without offloading.
 
 This library refuses Megatron's CUDA graphs next to ``--offload-modules`` for now
 (`offload.integrations.megatron.check_cuda_graphs`): its graph jobs are left out unless
@@ -118,16 +120,25 @@ class Job:
     def warmup_steps(self) -> int:
         return 2 if self.graph is None else 3 + 3  # the graphs' 3 warm-up steps, the capture, one more
 
-    def args(self, offloaded: bool) -> list[str]:
-        """The example's arguments for the baseline (``offloaded=False``) or the offloading run."""
+    @property
+    def runs(self) -> tuple[str, ...]:
+        """The job's runs: the baseline and the offloading run, and where the baseline has flags
+        of its own (full recompute), the ``reference``: the offloading run's flags with
+        offloading off, which its losses must equal bitwise."""
+        return ("baseline", "offload") if self.workload.baseline_args is None else ("baseline", "reference", "offload")
+
+    def args(self, run: str) -> list[str]:
+        """The example's arguments for one of `runs`."""
+        if run not in self.runs:
+            raise ValueError(f"{self.key}: no run {run!r} (runs: {', '.join(self.runs)})")
         w = self.workload
         out = [*w.model_args, "--system", self.system,
                "--steps", str(self.warmup_steps + self.measured_steps), "--warmup-steps", str(self.warmup_steps)]
         if self.graph is not None:
             impl, regions = self.graph
             out += ["--cuda-graph-impl", impl, f"--cuda-graph-modules={regions}"]
-        out += list(w.offload_args if offloaded or w.baseline_args is None else w.baseline_args)
-        if offloaded:
+        out += list(w.baseline_args if run == "baseline" and w.baseline_args is not None else w.offload_args)
+        if run == "offload":
             out.append(f"--offload-modules={w.modules}")
         return out + list(self.extra)
 
@@ -165,8 +176,9 @@ def losses_bitwise(baseline: dict, offloaded: dict) -> bool:
     return bool(baseline.get("loss_hex")) and baseline.get("loss_hex") == offloaded.get("loss_hex")
 
 
-def build_record(job: Job, baseline: dict, offloaded: dict, command: str) -> dict:
-    """The job's record (`RECORD_FIELDS`) from its two runs' JSON."""
+def build_record(job: Job, baseline: dict, offloaded: dict, command: str, reference: dict | None = None) -> dict:
+    """The job's record (`RECORD_FIELDS`) from its runs' JSON: step time and peak against the
+    baseline, losses against the ``reference`` where the job has one (`Job.runs`)."""
     step = _ranks_max(offloaded, "median_step_time_ms")
     base_step = _ranks_max(baseline, "median_step_time_ms")
     return {
@@ -178,7 +190,7 @@ def build_record(job: Job, baseline: dict, offloaded: dict, command: str) -> dic
         "peak_bytes": peak_bytes(offloaded),
         "baseline_step_ms": None if base_step is None else round(base_step, 3),
         "baseline_peak_bytes": peak_bytes(baseline),
-        "losses_bitwise": losses_bitwise(baseline, offloaded),
+        "losses_bitwise": losses_bitwise(baseline if reference is None else reference, offloaded),
         "device": offloaded.get("device"),
         "command": command,
     }
@@ -196,8 +208,13 @@ def run_failure(rc: int | None, result: dict | None) -> str | None:
     return None
 
 
-def run_example(example: list[str], args: list[str], out: Path, timeout: float) -> tuple[int | None, dict | None, str]:
-    """Run the example once (its own process); (exit status, its JSON or None, the command)."""
+def shown_command(example: list[str], args: list[str]) -> str:
+    """The command a record shows: ``python`` for this interpreter, without the output path."""
+    return shlex.join(["python" if part == sys.executable else part for part in example] + args)
+
+
+def run_example(example: list[str], args: list[str], out: Path, timeout: float) -> tuple[int | None, dict | None]:
+    """Run the example once (its own process); (exit status, its JSON or None)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.unlink(missing_ok=True)
     cmd = [*example, *args, "--json", str(out)]
@@ -211,27 +228,27 @@ def run_example(example: list[str], args: list[str], out: Path, timeout: float) 
             rc = 124
     result = json.loads(out.read_text()) if out.exists() else None
     print(f"  {out.stem}: rc={rc} in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
-    return rc, result, shlex.join(cmd)
+    return rc, result
 
 
 def run_job(job: Job, example: list[str], runs_dir: Path, timeout: float,
             reuse: bool) -> tuple[dict | None, str | None]:
-    """Run (or, with ``reuse``, read back) a job's two runs; (record, failure)."""
+    """Run (or, with ``reuse``, read back) a job's runs (`Job.runs`); (record, failure)."""
     results = {}
     commands = {}
-    for offloaded in (False, True):
-        args = job.args(offloaded)
-        out = runs_dir / f"{job.key}-{'offload' if offloaded else 'baseline'}.json"
+    for run in job.runs:
+        args = job.args(run)
+        out = runs_dir / f"{job.key}-{run}.json"
         cached = json.loads(out.read_text()) if reuse and out.exists() else None
         if cached is not None and cached.get("ok"):
-            results[offloaded], commands[offloaded] = cached, shlex.join([*example, *args, "--json", str(out)])
+            results[run], commands[run] = cached, shown_command(example, args)
             continue
-        rc, result, command = run_example(example, args, out, timeout)
+        rc, result = run_example(example, args, out, timeout)
         why = run_failure(rc, result)
         if why is not None:
             return None, f"{out.stem}: {why} (log: {out.with_suffix('.log')})"
-        results[offloaded], commands[offloaded] = result, command
-    return build_record(job, results[False], results[True], commands[True]), None
+        results[run], commands[run] = result, shown_command(example, args)
+    return build_record(job, results["baseline"], results["offload"], commands["offload"], results.get("reference")), None
 
 
 def record_key(record: dict) -> tuple[str, str, str]:
@@ -329,9 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     example = shlex.split(args.example)
     if args.list:
         for job in jobs:
-            for offloaded in (False, True):
-                which = "offload " if offloaded else "baseline"
-                print(f"{job.key} {which}: {shlex.join([*example, *job.args(offloaded)])}")
+            for run in job.runs:
+                print(f"{job.key} {run}: {shown_command(example, job.args(run))}")
         return 0
     records, failures = [], []
     for job in jobs:

@@ -229,7 +229,10 @@ def init_distributed(args: argparse.Namespace) -> int:
     if args.device == "cuda":
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-        model_parallel_cuda_manual_seed(args.seed)
+        # As Megatron's training seeds for CUDA graphs: graph-safe RNG states (TE's graph capture
+        # takes every registered generator's state; a plain tracker's states are tensors).
+        model_parallel_cuda_manual_seed(args.seed, te_rng_tracker=args.cuda_graph_impl == "transformer_engine",
+                                        use_cudagraphable_rng=args.cuda_graph_impl != "none")
     if args.cuda_graph_impl == "transformer_engine":  # TECudaGraphHelper asks get_num_microbatches()
         from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
 

@@ -69,6 +69,14 @@ ex2() {  # ex2 NAME TIMEOUT_S ARGS... : one run of the example on two GPUs
         examples/megatron_gpt.py --json "$M/$name.json" "$@" "${EXTRA[@]}"
 }
 
+if [ "$MODE" = headtohead ]; then  # before the environment is printed: it imports megatron.core
+    if ! [ -f /tmp/tesite/.te_ok ]; then
+        echo "Transformer Engine is not installed here: run tools/gpu_te.sh's install calls first (.te/plan.txt)" >&2
+        exit 2
+    fi
+    eval "$(bash tools/gpu_te.sh env)"
+fi
+
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
@@ -77,11 +85,6 @@ ex2() {  # ex2 NAME TIMEOUT_S ARGS... : one run of the example on two GPUs
 cat "$M/env_$MODE.txt"
 
 if [ "$MODE" = headtohead ]; then
-    if ! [ -f /tmp/tesite/.te_ok ]; then
-        echo "Transformer Engine is not installed here: run tools/gpu_te.sh's install calls first (.te/plan.txt)" >&2
-        exit 2
-    fi
-    eval "$(bash tools/gpu_te.sh env)"
     $PY -c "import transformer_engine, megatron.core as m; print('transformer-engine', transformer_engine.__version__, 'megatron-core', m.__version__)" | tee -a "$M/env_$MODE.txt"
     $PY benchmarks/megatron_headtohead.py --runs-dir "$M/headtohead_runs" --reuse "$@"
     rc=$?

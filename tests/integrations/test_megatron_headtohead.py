@@ -66,15 +66,29 @@ def test_jobs_cover_each_workload_and_system_with_megatrons_graph_modes(h2h):
 
 def test_job_commands_differ_only_in_offloading(h2h):
     dense = h2h.Job(h2h.WORKLOADS["dense_16k"], "megatron", ("transformer_engine", "attn"), measured_steps=5)
-    base, off = dense.args(False), dense.args(True)
+    assert dense.runs == ("baseline", "offload")
+    base, off = dense.args("baseline"), dense.args("offload")
     assert off == base + ["--offload-modules=qkv_linear,core_attn,attn_proj"]
     assert base[:4] == ["--model", "dense_16k", "--system", "megatron"]
     assert "--cuda-graph-modules=attn" in base and base[base.index("--warmup-steps") + 1] == "6"
     assert base[base.index("--steps") + 1] == "11"
     recompute = h2h.Job(h2h.WORKLOADS["moe_act_vs_full_recompute"], "offload")
-    base, off = recompute.args(False), recompute.args(True)
+    assert recompute.runs == ("baseline", "reference", "offload")
+    base, ref, off = (recompute.args(run) for run in recompute.runs)
     assert "--recompute-granularity" in base and "full" in base and "--recompute-modules" not in base
     assert off[-3:] == ["--recompute-modules", "core_attn,layernorm,mla_up_proj", "--offload-modules=moe_act"]
+    assert off == ref + ["--offload-modules=moe_act"]
+    with pytest.raises(ValueError, match="no run 'reference'"):
+        dense.args("reference")
+
+
+def test_losses_compare_with_the_reference_where_the_baseline_differs(h2h):
+    job = h2h.Job(h2h.WORKLOADS["moe_act_vs_full_recompute"], "offload")
+    full, same = _run([["0x1.8p+1"]], 120.0, 9 << 30), _run([["0x1.4p+1"]], 100.0, 10 << 30)
+    record = h2h.build_record(job, full, same, "", reference=_run([["0x1.4p+1"]], 101.0, 11 << 30))
+    assert record["losses_bitwise"] is True
+    assert (record["baseline_step_ms"], record["baseline_peak_bytes"]) == (120.0, 9 << 30)
+    assert h2h.build_record(job, full, same, "")["losses_bitwise"] is False
 
 
 # --------------------------------------------------------------------------- the records
@@ -125,6 +139,19 @@ def test_records_merge_by_key_and_the_table_goes_between_the_markers(h2h, tmp_pa
 
 
 # ------------------------------------------------------------------------- the driver runs
+def test_list_prints_each_run_and_runs_nothing(h2h, tmp_path, capsys):
+    assert h2h.main(["--list", "--workloads", "dense_16k,moe_act_vs_full_recompute", "--systems", "offload",
+                     "--out", str(tmp_path / "h2h.json")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == [
+        "dense_16k-offload-none baseline", "dense_16k-offload-none offload",
+        "moe_act_vs_full_recompute-offload-none baseline", "moe_act_vs_full_recompute-offload-none reference",
+        "moe_act_vs_full_recompute-offload-none offload"]
+    assert lines[1].endswith("python examples/megatron_gpt.py --model dense_16k --system offload --steps 22 "
+                             "--warmup-steps 2 --offload-modules=qkv_linear,core_attn,attn_proj")
+    assert not (tmp_path / "h2h.json").exists()
+
+
 def test_a_failed_run_exits_1_and_writes_no_record(h2h, tmp_path, capsys):
     failing = f"{sys.executable} -c 'import sys; sys.exit(3)'"
     out = tmp_path / "h2h.json"
@@ -145,8 +172,9 @@ def test_one_job_end_to_end_on_the_cpu(h2h, tmp_path):
     [record] = json.loads(out.read_text())
     assert record["workload"] == "dense_16k" and record["system"] == "offload" and record["cuda_graph"] == "none"
     assert record["losses_bitwise"] is True and record["device"] == "cpu" and record["step_ms"] > 0
-    assert record["command"].endswith("--offload-modules=qkv_linear,core_attn,attn_proj " + TINY + " --json "
-                                      + str(tmp_path / "runs" / "dense_16k-offload-none-offload.json"))
+    assert record["command"] == (f"python {ROOT / 'tests/integrations/megatron_cpu.py'} --model dense_16k --system "
+                                 "offload --steps 4 --warmup-steps 2 --offload-modules=qkv_linear,core_attn,attn_proj "
+                                 + TINY)
     run = json.loads((tmp_path / "runs" / "dense_16k-offload-none-offload.json").read_text())
     assert run["per_rank"][0]["offload"]["by_name"]["core_attn"]["bytes_offloaded"] > 0
     assert "| dense_16k | offload | none |" in doc.read_text()
