@@ -2,6 +2,7 @@
 
     python examples/hf_finetune.py --model llama --offload-modules core_attn,fc1
     python examples/hf_finetune.py --model qwen3_moe --offload-modules core_attn,experts --fsdp2
+    python examples/hf_finetune.py --model llama --size 1b --seq 8192 --batch 1 --memory-budget=-25%
     python examples/hf_finetune.py --model all --size tiny --steps 2 --device cpu   # the CPU test
 
 A Llama or Qwen3-MoE model is initialised at random from a config (nothing is downloaded) and
@@ -11,7 +12,9 @@ the other's allocator state; under ``torchrun`` both run in the ranks' processes
 prints each run's peak memory and step time on CUDA, what was offloaded per step, and checks
 that both runs' losses and final weights are bitwise equal (it exits non-zero when they are
 not). ``--fsdp2`` shards each decoder layer with ``fully_shard`` (one process, or every rank
-under ``torchrun``).
+under ``torchrun``). ``--memory-budget`` lets the planner (`offload.plan`, docs/planner.md)
+choose among the names and the decoder layers what to offload and what to recompute for that
+budget, after the first step (so that it sees the optimizer state), on a batch of its own.
 """
 
 from __future__ import annotations
@@ -46,6 +49,10 @@ SIZES = {
 DEFAULT_NAMES = {
     "llama": "core_attn,qkv_linear,fc1,mlp_act,fc2",
     "qwen3_moe": "core_attn,qkv_linear,router,experts",
+}
+PLAN_NAMES = {  # what the planner chooses among by default: names of one module each (q/k/v are three)
+    "llama": "attn_norm,core_attn,attn_proj,mlp_norm,mlp_act,fc2",
+    "qwen3_moe": "attn_norm,core_attn,attn_proj,mlp_norm,experts",
 }
 
 
@@ -100,7 +107,10 @@ def train(args: argparse.Namespace, model_name: str, names: str | None, mesh: ob
     device = torch.device(args.device)
     config = build_config(model_name, args.size, args.seq, args.attn)
     model = build_model(config, device, args.dtype)
-    if names:
+    planned = bool(names and args.memory_budget)
+    if planned:
+        offload.configure((), device=device)  # nothing offloaded before the plan
+    elif names:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # the CPU fallback saves nothing: said below
             offload.configure(names, min_tensor_bytes=args.min_tensor_bytes, device=device)
@@ -109,9 +119,11 @@ def train(args: argparse.Namespace, model_name: str, names: str | None, mesh: ob
         shard(model, mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(1)
-    out = {"losses": [], "ms": [], "offloaded": [], "peak": None,
+    out = {"losses": [], "ms": [], "offloaded": [], "peak": None, "plan": None,
            "params": sum(p.numel() for p in model.parameters())}
     for step in range(args.steps):
+        if planned and step == 1:
+            out["plan"] = plan(args, model, config, names)
         ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator).to(device)
         if step == 1 and device.type == "cuda":  # step 0 allocates the optimizer state: warm-up
             torch.cuda.synchronize()
@@ -130,9 +142,38 @@ def train(args: argparse.Namespace, model_name: str, names: str | None, mesh: ob
     if device.type == "cuda":
         out["peak"] = torch.cuda.max_memory_allocated() / 2**20
     out["weights"] = weight_digests(model)
+    if planned and offload.planner.active_plan() is not None:
+        offload.planner.active_plan().remove()
     if names:
         offload.reset(release_pool=True)
     return out
+
+
+def plan(args: argparse.Namespace, model: nn.Module, config: object, names: str) -> dict:
+    """Plan and apply offloading and recompute for ``args.memory_budget`` on a batch of its own
+    (`offload.plan` profiles and checks with forward and backward passes, no optimizer step);
+    the gradients it leaves are zeroed, so the next step starts as it would without it."""
+    generator = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator).to(args.device)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=False)
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+
+    chosen = offload.plan(model, names, step, args.memory_budget, min_tensor_bytes=args.min_tensor_bytes,
+                          verbose=False)
+    model.zero_grad(set_to_none=False)
+    print(chosen.table(), flush=True)
+    return {"offload": list(chosen.assignment.offload), "checkpoint": list(chosen.assignment.checkpoint)}
+
+
+def run_names(names: str, off: dict, args: argparse.Namespace) -> str:
+    """What the offloading run did, for the report and the record: the names, or the plan."""
+    if off["plan"] is None:
+        return names
+    chosen = off["plan"]
+    return (f"plan at {args.memory_budget} among {names}: offload {','.join(chosen['offload']) or '-'}; "
+            f"recompute {','.join(chosen['checkpoint']) or '-'}")
 
 
 def weight_digests(model: nn.Module) -> dict[str, str]:
@@ -179,7 +220,7 @@ def report(model_name: str, names: str, plain: dict, off: dict, args: argparse.N
         steady = lambda r: statistics.median(r["ms"][1:] or r["ms"])  # noqa: E731
         print(f"\n{model_name} ({args.size}, {plain['params'] / 1e6:.1f}M parameters), batch {args.batch} x seq "
               f"{args.seq}, {args.attn}, {args.device} {str(args.dtype).removeprefix('torch.')}"
-              f"{', FSDP2' if args.fsdp2 else ''}; offloaded names: {names}")
+              f"{', FSDP2' if args.fsdp2 else ''}; offloaded names: {run_names(names, off, args)}")
         print(f"{'run':<10}{'peak MiB':>10}{'step ms':>10}{'offloaded MiB/step':>20}")
         for label, r in (("plain", plain), ("offload", off)):
             peak = f"{r['peak']:.0f}" if r["peak"] is not None else "n/a"
@@ -206,7 +247,7 @@ def write_record(path: str, model_name: str, names: str, plain: dict, off: dict,
     record = {
         "model": f"{model_name} {args.size} ({plain['params'] / 1e6:.0f}M parameters, batch {args.batch}, "
                  f"seq {args.seq}, {args.attn}{', FSDP2' if args.fsdp2 else ''})",
-        "names": names, "step_ms": round(steady(off), 2), "peak_bytes": peak(off),
+        "names": run_names(names, off, args), "step_ms": round(steady(off), 2), "peak_bytes": peak(off),
         "baseline_step_ms": round(steady(plain), 2), "baseline_peak_bytes": peak(plain),
         "grads_bitwise": bitwise,
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
@@ -232,6 +273,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", metavar="PATH", help="add each comparison as a record to this JSON file "
                    "(docs/results/hf.json's fields)")
+    p.add_argument("--memory-budget", default=None, metavar="BUDGET",
+                   help="let the planner choose among the names what to offload and recompute for this "
+                        "budget ('20GiB', '-4GiB', '-30%%', 'fit:10%%'; docs/planner.md)")
     p.add_argument("--min-tensor-bytes", type=int, default=None,
                    help="smallest saved tensor to offload (default: the library's 1 MiB on CUDA, 0 on the CPU)")
     p.add_argument("--run", choices=["plain", "offload"], help=argparse.SUPPRESS)  # one run, in a child process
@@ -249,6 +293,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.min_tensor_bytes is None:
         args.min_tensor_bytes = offload.config.DEFAULT_MIN_TENSOR_BYTES if cuda else 0
     args.dtype = torch.bfloat16 if cuda else torch.float32
+    if args.memory_budget is not None:
+        if args.fsdp2:
+            p.error("--memory-budget plans on one unsharded model: leave out --fsdp2")
+        if args.steps < 2:
+            p.error("--memory-budget plans after the first step: give --steps 2 or more")
+        try:
+            offload.Budget.parse(args.memory_budget)
+        except offload.OffloadError as exc:
+            p.error(str(exc))
     return args
 
 
@@ -275,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         mesh = start_distributed(torch.device(args.device)) if args.fsdp2 else None  # before any CUDA work
     ok = True
     for model_name in (["llama", "qwen3_moe"] if args.model == "all" else [args.model]):
-        names = args.offload_modules or DEFAULT_NAMES[model_name]
+        names = args.offload_modules or (PLAN_NAMES if args.memory_budget else DEFAULT_NAMES)[model_name]
         if args.run is not None:  # the child: one run, its result to the parent
             result = train(args, model_name, names if args.run == "offload" else None, mesh)
             with open(args.result, "w") as f:

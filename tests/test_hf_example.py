@@ -39,3 +39,22 @@ def test_hf_finetune_llama_and_qwen3_moe(tmp_path):
 def test_hf_finetune_fsdp2():
     out = _run("--model", "llama", "--fsdp2", "--steps", "2", "--offload-modules", "core_attn,fc1,fc2")
     assert "FSDP2" in out and "losses and weights bitwise equal: True" in out
+
+
+def test_hf_finetune_plan_at_a_budget(tmp_path):
+    out = _run("--model", "llama", "--steps", "3", "--memory-budget=-30%", "--json", str(tmp_path / "hf.json"))
+    assert "Plan for a memory budget" in out and "losses and weights bitwise equal: True" in out
+    [record] = json.loads((tmp_path / "hf.json").read_text())["records"]
+    assert record["names"].startswith("plan at -30% among attn_norm,core_attn,attn_proj,mlp_norm,mlp_act,fc2: offload ")
+    assert record["grads_bitwise"] is True
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--memory-budget=-30%", "--fsdp2"], "--memory-budget plans on one unsharded model: leave out --fsdp2"),
+    (["--memory-budget=-30%", "--steps", "1"], "--memory-budget plans after the first step"),
+    (["--memory-budget=lots"], "lots"),
+])
+def test_hf_finetune_budget_arguments_are_checked_first(args, message):
+    out = subprocess.run([sys.executable, "examples/hf_finetune.py", "--device", "cpu", *args], cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
