@@ -3,6 +3,7 @@
     python examples/hf_finetune.py --model llama --offload-modules core_attn,fc1
     python examples/hf_finetune.py --model qwen3_moe --offload-modules core_attn,experts --fsdp2
     python examples/hf_finetune.py --model llama --size 1b --seq 8192 --batch 1 --memory-budget=-25%
+    python examples/hf_finetune.py --model llama --gradient-checkpointing --offload-modules layer
     python examples/hf_finetune.py --model all --size tiny --steps 2 --device cpu   # the CPU test
 
 A Llama or Qwen3-MoE model is initialised at random from a config (nothing is downloaded) and
@@ -15,6 +16,8 @@ not). ``--fsdp2`` shards each decoder layer with ``fully_shard`` (one process, o
 under ``torchrun``). ``--memory-budget`` lets the planner (`offload.plan`, docs/planner.md)
 choose among the names and the decoder layers what to offload and what to recompute for that
 budget, after the first step (so that it sees the optimizer state), on a batch of its own.
+``--gradient-checkpointing`` checkpoints every decoder layer in both runs; the name ``layer`` then
+offloads the inputs the checkpoints keep.
 """
 
 from __future__ import annotations
@@ -56,10 +59,11 @@ PLAN_NAMES = {  # what the planner chooses among by default: names of one module
 }
 
 
-def build_config(model: str, size: str, seq: int, attn: str) -> object:
+def build_config(model: str, size: str, seq: int, attn: str, layers: int | None = None) -> object:
     from transformers import AutoConfig
 
-    hidden, layers, heads, kv, ffn, experts, topk, expert_ffn, vocab = SIZES[size]
+    hidden, size_layers, heads, kv, ffn, experts, topk, expert_ffn, vocab = SIZES[size]
+    layers = layers or size_layers
     kw = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
               num_key_value_heads=kv, head_dim=hidden // heads, intermediate_size=ffn,
               max_position_embeddings=max(seq, 64), use_cache=False, attn_implementation=attn)
@@ -105,8 +109,13 @@ def train(args: argparse.Namespace, model_name: str, names: str | None, mesh: ob
     """``args.steps`` AdamW steps; returns the losses, final weights (on the CPU), step times,
     peak memory and offloaded bytes per step."""
     device = torch.device(args.device)
-    config = build_config(model_name, args.size, args.seq, args.attn)
+    config = build_config(model_name, args.size, args.seq, args.attn, args.layers)
     model = build_model(config, device, args.dtype)
+    if args.gradient_checkpointing:  # before attach: the names are checked against it
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23's name
+            model.activation_checkpointing_enable()
+        else:
+            model.gradient_checkpointing_enable()
     planned = bool(names and args.memory_budget)
     if planned:
         offload.configure((), device=device)  # nothing offloaded before the plan
@@ -176,6 +185,11 @@ def run_names(names: str, off: dict, args: argparse.Namespace) -> str:
             f"recompute {','.join(chosen['checkpoint']) or '-'}")
 
 
+def setup(args: argparse.Namespace) -> str:
+    """What the report and the record say of the run's setup beyond the model's size."""
+    return (", FSDP2" if args.fsdp2 else "") + (", gradient checkpointing" if args.gradient_checkpointing else "")
+
+
 def weight_digests(model: nn.Module) -> dict[str, str]:
     """The SHA-256 of each parameter's bytes (the full tensor under FSDP2): equal digests,
     bitwise equal weights."""
@@ -220,7 +234,7 @@ def report(model_name: str, names: str, plain: dict, off: dict, args: argparse.N
         steady = lambda r: statistics.median(r["ms"][1:] or r["ms"])  # noqa: E731
         print(f"\n{model_name} ({args.size}, {plain['params'] / 1e6:.1f}M parameters), batch {args.batch} x seq "
               f"{args.seq}, {args.attn}, {args.device} {str(args.dtype).removeprefix('torch.')}"
-              f"{', FSDP2' if args.fsdp2 else ''}; offloaded names: {run_names(names, off, args)}")
+              f"{setup(args)}; offloaded names: {run_names(names, off, args)}")
         print(f"{'run':<10}{'peak MiB':>10}{'step ms':>10}{'offloaded MiB/step':>20}")
         for label, r in (("plain", plain), ("offload", off)):
             peak = f"{r['peak']:.0f}" if r["peak"] is not None else "n/a"
@@ -246,7 +260,7 @@ def write_record(path: str, model_name: str, names: str, plain: dict, off: dict,
     peak = lambda r: None if r["peak"] is None else int(r["peak"] * 2**20)  # noqa: E731
     record = {
         "model": f"{model_name} {args.size} ({plain['params'] / 1e6:.0f}M parameters, batch {args.batch}, "
-                 f"seq {args.seq}, {args.attn}{', FSDP2' if args.fsdp2 else ''})",
+                 f"seq {args.seq}, {args.attn}{setup(args)})",
         "names": run_names(names, off, args), "step_ms": round(steady(off), 2), "peak_bytes": peak(off),
         "baseline_step_ms": round(steady(plain), 2), "baseline_peak_bytes": peak(plain),
         "grads_bitwise": bitwise,
@@ -258,6 +272,13 @@ def write_record(path: str, model_name: str, names: str, plain: dict, off: dict,
         json.dump({"records": [*records, record]}, f, indent=1)
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=["llama", "qwen3_moe", "all"], default="llama")
@@ -266,9 +287,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--offload-modules", default=None, metavar="NAMES",
                    help=f"offload names, comma-separated (default per model: {DEFAULT_NAMES})")
     p.add_argument("--fsdp2", action="store_true", help="shard each decoder layer with FSDP2 (fully_shard)")
-    p.add_argument("--steps", type=int, default=None, help="training steps (default: 6 on CUDA, 2 on the CPU)")
-    p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--seq", type=int, default=None)
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="checkpoint every decoder layer (both runs); 'layer' offloads the inputs it keeps")
+    p.add_argument("--steps", type=positive_int, default=None, help="training steps (default: 6 on CUDA, 2 on the CPU)")
+    p.add_argument("--layers", type=positive_int, default=None, help="decoder layers (default: the size's)")
+    p.add_argument("--batch", type=positive_int, default=None)
+    p.add_argument("--seq", type=positive_int, default=None)
     p.add_argument("--attn", choices=["sdpa", "eager", "flash_attention_2"], default="sdpa")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", metavar="PATH", help="add each comparison as a record to this JSON file "
@@ -293,7 +317,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.min_tensor_bytes is None:
         args.min_tensor_bytes = offload.config.DEFAULT_MIN_TENSOR_BYTES if cuda else 0
     args.dtype = torch.bfloat16 if cuda else torch.float32
+    if args.gradient_checkpointing and "layer" in (args.offload_modules or "").replace(" ", ",").split(","):
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        from offload.presets import checkpoint_wraps_hooks
+
+        if checkpoint_wraps_hooks(GradientCheckpointingLayer):
+            p.error("--offload-modules layer with --gradient-checkpointing needs transformers >= 5.23 "
+                    "(before it, checkpointing runs the layer's hooks inside the checkpoint)")
     if args.memory_budget is not None:
+        if args.gradient_checkpointing:
+            p.error("--memory-budget chooses what to recompute itself: leave out --gradient-checkpointing")
         if args.fsdp2:
             p.error("--memory-budget plans on one unsharded model: leave out --fsdp2")
         if args.steps < 2:

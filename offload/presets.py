@@ -43,6 +43,7 @@ __all__ = [
     "CoreAttention",
     "architecture_of",
     "available",
+    "checkpoint_wraps_hooks",
     "install_core_attention",
     "mapping_for",
 ]
@@ -58,6 +59,8 @@ NAMES: dict[str, str] = {
     "fc2": "the MLP's down projection: its input (the activation times the up projection)",
     "router": "the MoE router: its input and the routing probabilities",
     "experts": "the fused experts module (all experts' fc1, activation, fc2): the routed tokens and all in between",
+    "layer": ("the decoder layer: under gradient checkpointing, the inputs the checkpoint keeps (the hidden "
+              "states); without it, whatever it saves that no other offloaded name takes"),
 }
 """Every name that some preset maps, with what it saves for backward."""
 
@@ -171,11 +174,16 @@ def _layers(model: nn.Module, arch: Architecture) -> dict[str, nn.Module]:
     return {qn: m for qn, m in model.named_modules() if qn and _is_layer(m, arch)}
 
 
+def _escape(qualname: str) -> str:
+    """``qualname`` as an fnmatch pattern that matches it alone."""
+    return re.sub(r"([*?\[])", r"[\1]", qualname)
+
+
 def _layer_prefixes(layer_names: Iterable[str]) -> list[str]:
     """``model.layers.0``, ``model.layers.1`` → ``model.layers.*`` (layer indices become ``*``)."""
     out: list[str] = []
     for qn in layer_names:
-        prefix = re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", re.sub(r"([*?\[])", r"[\1]", qn))
+        prefix = re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", _escape(qn))
         if prefix not in out:
             out.append(prefix)
     return out
@@ -206,6 +214,7 @@ def _resolve(model: nn.Module) -> tuple[str, Architecture, dict[str, nn.Module],
             have[name] = patterns
         else:
             absent[name] = arch.absent.get(name, f"no {' or '.join(suffixes)} in this model's layers")
+    have["layer"] = [_escape(qn) for qn in layers]  # each layer by its own path: a '*' would match inside it
     return model_type, arch, layers, have, absent
 
 
@@ -238,9 +247,33 @@ def mapping_for(model: nn.Module, names: str | Iterable[str]) -> dict[str, list[
             f"offload: {type(model).__name__} ({model_type}) has no module for {'; '.join(lines)}. "
             f"Names it has: {', '.join(have)}"
         )
+    if "layer" in names:
+        _check_layer_outside_checkpoint(model, layers)
     if "core_attn" in names:
         install_core_attention(model)
     return {n: list(have[n]) for n in names}
+
+
+def checkpoint_wraps_hooks(layer: nn.Module | type) -> bool:
+    """Whether transformers' gradient checkpointing runs this layer's (or layer class's) hooks
+    inside the checkpoint: before transformers 5.23, ``GradientCheckpointingLayer`` checkpoints
+    ``__call__`` (hooks included), from 5.23 on only ``forward``."""
+    mro = (layer if isinstance(layer, type) else type(layer)).__mro__
+    return any(cls.__name__ == "GradientCheckpointingLayer" and "__call__" in vars(cls) for cls in mro)
+
+
+def _check_layer_outside_checkpoint(model: nn.Module, layers: dict[str, nn.Module]) -> None:
+    """``layer`` offloads the inputs a checkpointed layer keeps only if its group is open when
+    the checkpoint saves them, which is before the layer's hooks run where `checkpoint_wraps_hooks`."""
+    for qn, layer in layers.items():
+        if getattr(layer, "gradient_checkpointing", False) and checkpoint_wraps_hooks(layer):
+            version = getattr(sys.modules.get("transformers"), "__version__", "older")
+            raise OffloadError(
+                f"offload: 'layer' under gradient checkpointing needs transformers >= 5.23 (this is "
+                f"{version}): before it, checkpointing wraps {qn}'s hooks, so the inputs it "
+                "keeps are saved before the group opens and nothing would be offloaded. Upgrade "
+                "transformers, or offload 'layer' without gradient checkpointing"
+            )
 
 
 # -------------------------------------------------------------------------- core attention

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -11,6 +12,11 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("transformers")
+
+from transformers.modeling_layers import GradientCheckpointingLayer  # noqa: E402
+
+from offload import presets  # noqa: E402
+from offload.presets import checkpoint_wraps_hooks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,12 +55,39 @@ def test_hf_finetune_plan_at_a_budget(tmp_path):
     assert record["grads_bitwise"] is True
 
 
+@pytest.mark.skipif(checkpoint_wraps_hooks(GradientCheckpointingLayer), reason="transformers < 5.23 checkpoints the layer's hooks")
+def test_hf_finetune_gradient_checkpointing_offloads_the_layer_inputs():
+    """Both runs checkpoint every layer; ``layer`` offloads what the checkpoints keep (4 layers:
+    layer 0's input is held by the model's forward, layer 3's kept, two of [2, 16, 64] fp32)."""
+    out = _run("--model", "llama", "--steps", "2", "--layers", "4", "--gradient-checkpointing",
+               "--offload-modules", "layer,core_attn")
+    assert "gradient checkpointing; offloaded names: layer,core_attn" in out
+    assert "losses and weights bitwise equal: True" in out
+    assert [line.split()[-1] for line in out.splitlines() if line.startswith("offload ")] == [f"{16384 / 2**20:.2f}"]
+
+
 @pytest.mark.parametrize("args, message", [
+    (["--memory-budget=-30%", "--gradient-checkpointing"], "--memory-budget chooses what to recompute itself"),
+    (["--steps", "0"], "--steps: must be 1 or more, got 0"),
+    (["--layers", "-1"], "must be 1 or more, got -1"),
     (["--memory-budget=-30%", "--fsdp2"], "--memory-budget plans on one unsharded model: leave out --fsdp2"),
     (["--memory-budget=-30%", "--steps", "1"], "--memory-budget plans after the first step"),
     (["--memory-budget=lots"], "lots"),
 ])
-def test_hf_finetune_budget_arguments_are_checked_first(args, message):
+def test_hf_finetune_arguments_are_checked_first(args, message):
     out = subprocess.run([sys.executable, "examples/hf_finetune.py", "--device", "cpu", *args], cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def test_hf_finetune_refuses_layer_where_checkpointing_wraps_the_hooks(monkeypatch, capsys):
+    """transformers < 5.23: ``--offload-modules layer --gradient-checkpointing`` would offload
+    nothing, so the arguments are refused (exit 2) before any run; without checkpointing they pass."""
+    spec = importlib.util.spec_from_file_location("hf_finetune", ROOT / "examples" / "hf_finetune.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    monkeypatch.setattr(presets, "checkpoint_wraps_hooks", lambda cls: True)
+    assert example.parse_args(["--device", "cpu", "--offload-modules", "layer"]).offload_modules == "layer"
+    with pytest.raises(SystemExit) as exit_:
+        example.parse_args(["--device", "cpu", "--offload-modules", "core_attn,layer", "--gradient-checkpointing"])
+    assert exit_.value.code == 2 and "needs transformers >= 5.23" in capsys.readouterr().err

@@ -57,11 +57,15 @@ def mesh(request, process_group):
     return init_device_mesh(request.param, (1,))
 
 
-def shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
-    """FSDP2 as usual for a transformers model: each decoder layer, then the root."""
+def shard(model: torch.nn.Module, mesh, mixed_precision: bool = False) -> torch.nn.Module:
+    """FSDP2 as usual for a transformers model: each decoder layer, then the root; with
+    ``mixed_precision``, parameters all-gathered in bf16 and gradients reduced in fp32."""
+    kw = {}
+    if mixed_precision:
+        kw["mp_policy"] = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
-        fsdp.fully_shard(layer, mesh=mesh)
-    fsdp.fully_shard(model, mesh=mesh)
+        fsdp.fully_shard(layer, mesh=mesh, **kw)
+    fsdp.fully_shard(model, mesh=mesh, **kw)
     return model
 
 
@@ -90,7 +94,7 @@ def unsharded_params_admitted(model: torch.nn.Module, monkeypatch) -> list[str]:
     return admitted
 
 
-def run_fsdp2(configure, mesh, monkeypatch, frozen: bool) -> list[str]:
+def run_fsdp2(configure, mesh, monkeypatch, frozen: bool, mixed_precision: bool = False) -> list[str]:
     """Train the sharded tiny Llama with and without offloading; gradients must be bitwise
     equal and something offloaded. Returns what `unsharded_params_admitted` saw."""
     device = mesh.device_type
@@ -99,11 +103,11 @@ def run_fsdp2(configure, mesh, monkeypatch, frozen: bool) -> list[str]:
         for name, p in model.named_parameters():
             if name.endswith("proj.weight"):
                 p.requires_grad_(False)
-    ref = shard(copy.deepcopy(model), mesh)
+    ref = shard(copy.deepcopy(model), mesh, mixed_precision)
     configure(NAMES, device=device)
     # attach before fully_shard: attach after it fails (test_attach_after_fully_shard)
     offload.attach(model, presets.mapping_for(model, NAMES))
-    shard(model, mesh)
+    shard(model, mesh, mixed_precision)
     admitted = unsharded_params_admitted(model, monkeypatch)
     for it in range(2):
         ids = token_ids(it).to(device)
@@ -125,6 +129,21 @@ def test_fsdp2_frozen_unsharded_parameter_views_are_refused(configure, mesh, mon
     """Frozen parameters: a view of FSDP2's unsharded parameter (``weight.t()``), in a fresh
     storage that attach() never saw, is refused because its base is a parameter."""
     assert run_fsdp2(configure, mesh, monkeypatch, frozen=True) == []
+
+
+def test_fsdp2_mixed_precision_gradients_bitwise_equal(configure, mesh, monkeypatch, deterministic):
+    """FSDP2's mixed precision (bf16 parameters in forward and backward, fp32 reduction): the
+    activations are bf16, the all-gathered bf16 parameters are refused like fp32 ones."""
+    dtypes = []
+    record_for = ChunkOffloadHandler.record_for
+
+    def spy(self, group, t, *args):
+        dtypes.append(t.dtype)
+        return record_for(self, group, t, *args)
+
+    monkeypatch.setattr(ChunkOffloadHandler, "record_for", spy)
+    assert run_fsdp2(configure, mesh, monkeypatch, frozen=False, mixed_precision=True) == []
+    assert torch.bfloat16 in dtypes
 
 
 def test_attach_after_fully_shard(configure, mesh):

@@ -94,7 +94,10 @@ def check_against_reference(model: nn.Module, ref: nn.Module, names, handle, ite
             s = stats.by_name[name]
             assert s.groups == len(handle.matched[name]), name
             assert s.groups_kept >= 1 and s.groups_offloaded >= 1, name
-            assert s.bytes_offloaded == s.bytes_reloaded > 0, name
+            assert s.bytes_offloaded > 0 and s.bytes_reloaded > 0, name
+            if "layer" not in names:  # nested groups: a record may go out with one and come back with another
+                assert s.bytes_offloaded == s.bytes_reloaded, name
+        assert stats.total().bytes_offloaded == stats.total().bytes_reloaded
     assert offload.get_manager().live_handlers == []
 
 
@@ -102,7 +105,7 @@ def check_against_reference(model: nn.Module, ref: nn.Module, names, handle, ite
 def test_every_preset_gradients_bitwise_equal(configure, model_type, attn, experts):
     model = tiny_model(model_type, attn, experts, layers=4 if model_type == "qwen3_moe" else 2)
     ref = copy.deepcopy(model)
-    names = presets.available(model)
+    names = [n for n in presets.available(model) if n != "layer"]  # it holds the others: test_layer_*
     expected = {"core_attn", "qkv_linear", "attn_proj"} | ({"router", "experts"} if model_type in MOE else set())
     assert expected <= set(names)
     configure(names)
@@ -249,6 +252,104 @@ def test_core_attention_guard_raises_if_attention_bypasses_it(configure, monkeyp
     monkeypatch.setattr(modeling_llama, "ALL_ATTENTION_FUNCTIONS", unrouted)
     with pytest.raises(OffloadError, match="did not call its attention function through core_attention"):
         step(model, token_ids(0))
+
+
+# ------------------------------------------------------- the layer name, gradient checkpointing
+CHECKPOINT_WRAPS_HOOKS = "__call__" in vars(transformers.modeling_layers.GradientCheckpointingLayer)
+"""transformers before 5.23 checkpoints a layer's ``__call__``, its hooks inside the checkpoint."""
+needs_forward_checkpointing = pytest.mark.skipif(
+    CHECKPOINT_WRAPS_HOOKS, reason=f"transformers {transformers.__version__} checkpoints the layer's hooks (< 5.23)")
+
+
+def checkpointed(model: nn.Module, reentrant: bool = False) -> nn.Module:
+    """``model`` with every decoder layer checkpointed (``activation_checkpointing_enable``,
+    ``gradient_checkpointing_enable`` before transformers 5.23)."""
+    kwargs = {"use_reentrant": reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model
+
+
+@pytest.mark.parametrize("names", [["layer"], ["layer", "core_attn", "fc2"]], ids=["alone", "around-others"])
+def test_layer_offloads_what_no_inner_group_takes(configure, names):
+    """Without checkpointing, ``layer`` is a group around the whole decoder layer: it takes what
+    the layer saves outside the other names' groups, which nest inside it."""
+    model = tiny_model("llama", layers=3)
+    ref = copy.deepcopy(model)
+    configure(names)
+    handle = offload.attach(model, presets.mapping_for(model, names))
+    assert handle.matched["layer"] == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    check_against_reference(model, ref, names, handle)
+
+
+@pytest.mark.filterwarnings("ignore:offload. nothing was offloaded:RuntimeWarning")
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_groups_inside_checkpointed_layers_are_inert(configure, reentrant):
+    """Under ``gradient_checkpointing_enable()`` the names inside a layer offload nothing: the
+    forward's saved tensors are dropped and recomputed in backward, where they are needed at
+    once. Non-reentrant checkpointing (transformers' default) counts them as recomputed;
+    reentrant checkpointing runs the forward without grad, so no group opens at all."""
+    names = ["core_attn", "fc1"]
+    model = checkpointed(tiny_model("llama", layers=3), reentrant)
+    ref = checkpointed(copy.deepcopy(model), reentrant)
+    configure(names)
+    offload.attach(model, presets.mapping_for(model, names))
+    for it in range(2):
+        ids = token_ids(it)
+        ref_loss, ref_grads = step(ref, ids)
+        loss, grads = step(model, ids)
+        assert torch.equal(loss, ref_loss) and first_difference(ref_grads, grads) is None
+        stats = offload.end_iteration()
+        assert stats.total().bytes_offloaded == 0 and stats.total().groups == 0
+        recomputed = {n: s.groups_recomputed for n, s in stats.by_name.items()}
+        assert recomputed == ({} if reentrant else {"core_attn": 3, "fc1": 6})
+
+
+@needs_forward_checkpointing
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_layer_offloads_the_inputs_checkpointing_keeps(configure, reentrant):
+    """Under gradient checkpointing a layer keeps only its inputs (the hidden states), saved by
+    the checkpoint while ``layer``'s group is open: they are offloaded, gradients bitwise those of
+    checkpointing alone. Layer 0's input is the embedding output, which the model's forward
+    still holds (held elsewhere); the last layer's is kept (its backward comes first)."""
+    names = ["layer", "core_attn"]
+    model = checkpointed(tiny_model("llama", layers=4), reentrant)
+    ref = checkpointed(copy.deepcopy(model), reentrant)
+    configure(names)
+    offload.attach(model, presets.mapping_for(model, names))
+    hidden_states = token_ids(0).numel() * model.config.hidden_size * 4  # [2, 16, 64] fp32
+    for it in range(2):
+        ids = token_ids(it)
+        ref_loss, ref_grads = step(ref, ids)
+        loss, grads = step(model, ids)
+        assert torch.equal(loss, ref_loss) and first_difference(ref_grads, grads) is None
+        s = offload.end_iteration().by_name
+        assert (s["layer"].groups, s["layer"].groups_kept, s["layer"].tensors_offloaded) == (4, 1, 2)
+        assert s["layer"].bytes_offloaded == s["layer"].bytes_reloaded == 2 * hidden_states
+        assert s["layer"].bytes_held_elsewhere == hidden_states
+        if reentrant:  # the layer's forward runs without grad: core_attn's group never opens
+            assert "core_attn" not in s
+        else:
+            assert (s["core_attn"].groups_recomputed, s["core_attn"].bytes_offloaded) == (4, 0)
+
+
+def test_layer_under_checkpointing_that_wraps_hooks_is_refused(monkeypatch):
+    """transformers < 5.23 checkpoints a layer's hooks too: ``layer`` would open its group after
+    the checkpoint saved the inputs, so mapping_for refuses it while checkpointing is on."""
+    model = tiny_model("llama")
+    assert presets.mapping_for(model, "layer")  # control: without checkpointing
+    checkpointed(model)
+    monkeypatch.setattr(presets, "checkpoint_wraps_hooks", lambda layer: True)
+    with pytest.raises(OffloadError, match=r"'layer' under gradient checkpointing needs transformers >= 5.23"):
+        presets.mapping_for(model, "core_attn,layer")
+    assert presets.mapping_for(model, "core_attn")  # the other names are inert there, not wrong
+
+
+def test_checkpoint_wraps_hooks_reads_the_layer_class():
+    assert presets.checkpoint_wraps_hooks(tiny_model("llama").model.layers[0]) == CHECKPOINT_WRAPS_HOOKS
+    assert not presets.checkpoint_wraps_hooks(nn.Linear(2, 2))
 
 
 def test_mapping_for_names_as_string_or_list():
