@@ -2,6 +2,7 @@
 
     python examples/megatron_gpt.py --model gpt --steps 20 --offload-modules=core_attn,fc1
     python examples/megatron_gpt.py --model moe --offload-modules core_attn expert_fc1
+    python examples/megatron_gpt.py --model gpt --offload-modules=auto --offload-memory-budget=-30%
     torchrun --nproc-per-node 2 examples/megatron_gpt.py --pp 2 --vpp 2 --offload-modules=core_attn
     python examples/megatron_gpt.py --model dense_16k --transformer-impl transformer_engine \\
         --offload-modules qkv_linear,core_attn,attn_proj --system megatron
@@ -11,7 +12,10 @@ Transformer Engine spec (``--transformer-impl``), ``Float16Module`` for bf16, Me
 ``forward_backward_func`` (no pipelining, 1F1B, or the interleaved schedule with ``--vpp``), an
 AdamW step. Offloading is three lines: `add_arguments` on the parser, `apply_from_args` on the
 model chunks, ``.wrap`` on the schedule function. Without ``--offload-modules`` they change
-nothing.
+nothing. ``--offload-modules=auto`` with ``--offload-memory-budget`` (or
+``--offload-memory-budget-gib``) lets the planner choose names and recompute under the budget on
+the first step, and prints its table (docs/megatron.md); the flags are checked here, before
+anything starts.
 
 ``--system megatron`` runs the same model with Megatron's own fine-grained activation offloading
 instead (``TransformerConfig.fine_grained_activation_offloading`` and ``offload_modules``, the
@@ -83,7 +87,9 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from offload.errors import OffloadError  # noqa: E402
 from offload.integrations import megatron as megatron_offload  # noqa: E402
+from offload.integrations import megatron_plan  # noqa: E402
 
 MLA_SIZES = dict(q_lora_rank=768, kv_lora_rank=256, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128)
 PRESETS = {
@@ -175,6 +181,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.cuda_graph_impl != "none" and args.warmup_steps < args.cuda_graph_warmup_steps + 2:
         p.error(f"--warmup-steps {args.warmup_steps} must be at least --cuda-graph-warmup-steps + 2 "
                 f"({args.cuda_graph_warmup_steps + 2}): the graphs' warm-up and capture steps are not timed")
+    try:  # the offload flags, before any process group or model exists
+        if megatron_offload.Options.from_args(args).auto:
+            megatron_plan.check_auto(argparse.Namespace(**config_kwargs(args)))
+    except OffloadError as exc:
+        p.error(str(exc))
     check_transformer_engine(args, p.error)
     return args
 
@@ -477,6 +488,7 @@ def run(args: argparse.Namespace) -> dict:
         "median_step_time_ms": statistics.median(times[args.warmup_steps:] or times),
         "offload": stats_summary(handle.last_stats),
         "offload_mapping": handle.mapping,
+        "offload_plan": None if handle.plan is None else handle.plan.as_dict(),
     }
 
 
@@ -511,6 +523,8 @@ def main(argv: list[str] | None = None) -> int:
         "pp": args.pp, "vpp": args.vpp, "interleaved": args.vpp > 1 or args.interleaved,
         "offload_modules": list(offload_modules(args)),
         "offload_policy": args.offload_policy,
+        "offload_memory_budget": str(megatron_offload.Options.from_args(args).memory_budget or "") or None,
+        "offload_plan": ranks[0].get("offload_plan"),
         "steps": args.steps, "warmup_steps": args.warmup_steps, "deterministic": args.deterministic,
         "losses": step_losses,
         "loss_hex": [[float(x).hex() for x in mb] for mb in last.get("microbatch_losses") or []],

@@ -15,6 +15,10 @@ Three pieces, each usable alone:
 * **The flag.** `add_arguments` (usable as Megatron's ``extra_args_provider``) adds
   ``--offload-modules`` (or reuses Megatron-LM's own flag of that name), the minimum tensor
   size, the in-flight bound and the policy; `apply_from_args` reads them.
+* **The plan.** ``--offload-modules=auto --offload-memory-budget=-30%`` lets `offload.plan`
+  choose, under the budget, which of the names below to offload and which containers (each
+  ``TransformerLayer``, its ``self_attention``, its ``mlp``) to recompute. The wrapped
+  ``forward_backward_func`` makes the plan on its first training call (`MegatronOffload.wrap`).
 
 Names (relative to each ``TransformerLayer``; "saves" is what autograd keeps for backward):
 
@@ -121,12 +125,14 @@ to ``None``; both keep the deprecated booleans ``enable_cuda_graph`` = local and
 from __future__ import annotations
 
 import argparse
+import copy
 import fnmatch
 import functools
+import math
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -134,9 +140,13 @@ from torch import nn
 import offload
 from offload import group_policy
 from offload.config import DEFAULT_MIN_TENSOR_BYTES, check_known, parse_module_list
-from offload.errors import OffloadError, UnknownModuleError
+from offload.errors import OffloadError, OffloadValueError, UnknownModuleError
+from offload.planner.budget import Budget
 from offload.schedules import schedule_table, table_to_order
 from offload.stats import IterationStats
+
+if TYPE_CHECKING:
+    from .megatron_plan import AutoSettings
 
 try:
     import megatron.core as _mcore
@@ -149,20 +159,24 @@ except ImportError as exc:  # pragma: no cover - exercised only without megatron
     ) from exc
 
 __all__ = [
+    "AUTO",
     "MEGATRON_OWN_NAMES",
     "NAMES",
     "MegatronOffload",
     "add_arguments",
     "apply",
     "apply_from_args",
+    "check_auto_options",
     "check_compatible",
     "check_cuda_graphs",
     "cuda_graph_mode",
     "find_modules",
     "megatron_order",
     "megatron_version",
+    "module_patterns",
     "parse_policy",
     "to_megatron_names",
+    "unwrap",
     "wrap_forward_backward_func",
     "wrap_model_provider",
 ]
@@ -183,6 +197,9 @@ NAMES: dict[str, str] = {
     "expert_fc2": "the experts' linear_fc2: the weighted activation",
 }
 """Every name this integration knows, with the module it maps to and what that saves."""
+
+AUTO = "auto"
+"""``--offload-modules=auto``: the planner chooses among `NAMES` and the layers' containers."""
 
 MEGATRON_OWN_NAMES: frozenset[str] = frozenset(
     {"attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act"})
@@ -381,7 +398,7 @@ def _escape(qualname: str) -> str:
     return re.sub(r"([*?\[])", r"[\1]", qualname)
 
 
-def _patterns(targets: list[str], all_names: list[str]) -> list[str]:
+def module_patterns(targets: list[str], all_names: list[str]) -> list[str]:
     """Short fnmatch patterns that match exactly ``targets`` among ``all_names``.
 
     Layer and expert indices become ``*`` where that matches nothing else; otherwise the exact
@@ -595,6 +612,12 @@ def to_megatron_names(names: str | Iterable[str], found: Sequence[ChunkModules] 
     (Megatron would drop the norm silently; this integration refuses it).
     """
     names = list(parse_module_list(names))
+    if AUTO in names:
+        raise OffloadError(
+            "offload: --offload-modules=auto is this library's planner; Megatron's own offloading "
+            "(--fine-grained-activation-offloading; --system megatron in examples/megatron_gpt.py) takes "
+            f"module names ({', '.join(sorted(MEGATRON_OWN_NAMES))}). Use --system offload with auto."
+        )
     check_known(names, NAMES, "--offload-modules")
     other = [n for n in names if n not in MEGATRON_OWN_NAMES]
     if other:
@@ -626,10 +649,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         group.add_argument(
             "--offload-modules", nargs="*", default=[], metavar="NAME",
             help=f"offload the saved tensors of these modules to pinned host memory; "
-                 f"comma- or space-separated; names: {', '.join(NAMES)}",
+                 f"comma- or space-separated; names: {', '.join(NAMES)}; or {AUTO} (the planner "
+                 "chooses under --offload-memory-budget)",
         )
     except argparse.ArgumentError:
         pass  # Megatron-LM's own --offload-modules (dest offload_modules): reuse it
+    group.add_argument(
+        "--offload-memory-budget", default=None, metavar="BUDGET",
+        help=f"with --offload-modules={AUTO}: the peak of forward_backward_func to plan for: 20GiB, -4GiB or "
+             "-30%% (below the peak without a plan), fit or fit:10%% (the GPU less headroom)",
+    )
+    group.add_argument(
+        "--offload-memory-budget-gib", type=float, default=None, metavar="GIB",
+        help=f"with --offload-modules={AUTO}: the same as --offload-memory-budget=<GIB>GiB (a peak in GiB)",
+    )
     group.add_argument(
         "--offload-min-tensor-bytes", type=int, default=DEFAULT_MIN_TENSOR_BYTES, metavar="BYTES",
         help="saved tensors smaller than this stay on the GPU (default: %(default)s)",
@@ -673,33 +706,98 @@ def parse_policy(spec: str | None) -> group_policy.GroupPolicy | None:
 
 @dataclass(frozen=True)
 class Options:
-    """The offload settings that `add_arguments` adds, as `apply` takes them."""
+    """The offload settings that `add_arguments` adds, as `apply` takes them.
+
+    ``modules`` is ``("auto",)`` for the planner, with ``memory_budget`` set."""
 
     modules: tuple[str, ...]
     min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES
     max_inflight_groups: int = 1
     policy: str = "all"
+    memory_budget: Budget | None = None
+
+    @property
+    def auto(self) -> bool:
+        return self.modules == (AUTO,)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Options":
-        """Read the flags; checks the names and Megatron's own offloading switch."""
+        """Read the flags; checks the names, the budget (`check_auto_options`) and Megatron's own
+        offloading switch. Raises `OffloadError` (or its subclasses) naming the flag."""
         if getattr(args, "fine_grained_activation_offloading", False) and getattr(args, "offload_modules", None):
             raise OffloadError(
                 "offload: --fine-grained-activation-offloading switches on Megatron's own "
                 "offloading of --offload-modules; drop it to use this library's offloading"
             )
         modules = parse_module_list(getattr(args, "offload_modules", None) or ())
-        check_known(modules, NAMES, "--offload-modules")
-        return cls(
+        text = getattr(args, "offload_memory_budget", None)
+        gib = getattr(args, "offload_memory_budget_gib", None)
+        if text is not None and gib is not None:
+            raise OffloadValueError(
+                f"offload: --offload-memory-budget={text} and --offload-memory-budget-gib={gib:g} both give the "
+                "budget; give one (--offload-memory-budget-gib X is --offload-memory-budget=XGiB)")
+        budget = None
+        if text is not None:
+            budget = _parse_budget(text, "--offload-memory-budget")
+        elif gib is not None:
+            if not (math.isfinite(gib) and gib > 0):
+                raise OffloadValueError(f"offload: --offload-memory-budget-gib={gib:g} must be a number of GiB > 0")
+            budget = _parse_budget(int(gib * 2**30), "--offload-memory-budget-gib")
+        opts = cls(
             modules=modules,
             min_tensor_bytes=getattr(args, "offload_min_tensor_bytes", DEFAULT_MIN_TENSOR_BYTES),
             max_inflight_groups=getattr(args, "offload_max_inflight_groups", 1),
-            policy=getattr(args, "offload_policy", "all"),
+            policy=getattr(args, "offload_policy", "all") or "all",
+            memory_budget=budget,
         )
+        check_auto_options(opts.modules, opts.memory_budget, opts.max_inflight_groups, opts.policy)
+        return opts
+
+
+def _parse_budget(spec: str | int, flag: str) -> Budget:
+    """`Budget.parse` with the flag named in its error (same exception type)."""
+    try:
+        return Budget.parse(spec)
+    except OffloadError as exc:
+        raise type(exc)(f"offload: {flag}: {str(exc).removeprefix('offload: ')}") from None
+
+
+def check_auto_options(modules: Iterable[str], memory_budget: Budget | str | int | None,
+                       max_inflight_groups: int = 1, policy: Any = None) -> Budget | None:
+    """Check ``--offload-modules`` against the budget flags; returns the parsed budget.
+
+    ``auto`` needs a budget and no other name, and leaves the in-flight bound and the policy to
+    the plan; a budget needs ``auto``; other names must be in `NAMES`. Raises
+    `OffloadValueError` (`UnknownModuleError` for a name) that names the flags.
+    """
+    modules = tuple(modules)
+    if AUTO not in modules:
+        check_known(modules, NAMES, "--offload-modules")
+        if memory_budget is not None:
+            raise OffloadValueError(
+                f"offload: a memory budget (--offload-memory-budget, --offload-memory-budget-gib) is for "
+                f"--offload-modules={AUTO} (the planner); with "
+                f"--offload-modules={','.join(modules) or '(none)'} nothing is planned. Drop the budget, or use "
+                f"--offload-modules={AUTO}")
+        return None
+    if modules != (AUTO,):
+        raise OffloadValueError(
+            f"offload: --offload-modules={AUTO} lets the planner choose the names; it takes no others "
+            f"(got {','.join(modules)}). Use --offload-modules={AUTO} alone, or the names alone")
+    if memory_budget is None:
+        raise OffloadValueError(
+            f"offload: --offload-modules={AUTO} needs a memory budget: --offload-memory-budget=20GiB, -4GiB, -30% "
+            "or fit:10%, or --offload-memory-budget-gib=20")
+    budget = _parse_budget(memory_budget, "--offload-memory-budget")
+    if max_inflight_groups != 1 or (policy not in (None, "", "all")):
+        raise OffloadValueError(
+            f"offload: with --offload-modules={AUTO} the plan chooses --offload-max-inflight-groups and offloads "
+            "every group of the names it picks; leave --offload-max-inflight-groups and --offload-policy unset")
+    return budget
 
 
 # ------------------------------------------------------------------------------ attaching
-def _unwrap(module: nn.Module) -> nn.Module:
+def unwrap(module: nn.Module) -> nn.Module:
     """The model inside DDP / Float16Module wrappers."""
     while isinstance(getattr(module, "module", None), nn.Module):
         module = module.module
@@ -762,19 +860,26 @@ class MegatronOffload:
     ``mapping[i]`` is the name → module patterns given to `offload.attach` for chunk ``i``;
     ``last_stats`` the `IterationStats` of the latest wrapped ``forward_backward_func`` call.
     With no names, nothing is attached and `wrap` returns its function unchanged, so a script
-    can call both unconditionally.
+    can call both unconditionally. With ``--offload-modules=auto`` (``auto`` set) nothing is
+    attached until the wrapped function's first training call makes the plan; then ``plan`` is
+    the `offload.planner.Plan`, ``names`` the names it offloads and ``regions`` the checkpointed
+    containers whose inputs it offloads (name → qualified module names).
     """
 
-    def __init__(self, names: tuple[str, ...]) -> None:
+    def __init__(self, names: tuple[str, ...], auto: AutoSettings | None = None) -> None:
         self.names = names
+        self.auto = auto
+        self.plan: Any = None  # offload.planner.Plan, once made
+        self.regions: dict[str, list[str]] = {}
         self.mapping: list[dict[str, list[str]]] = []
         self.found: list[ChunkModules] = []
         self._hooks: list[Any] = []
         self._attached: list[Any] = []
+        self._undo: list[Callable[[], None]] = []  # the plan's checkpointed forwards
 
     @property
     def enabled(self) -> bool:
-        return bool(self.names)
+        return bool(self.names) or self.auto is not None
 
     @property
     def last_stats(self) -> IterationStats | None:
@@ -789,11 +894,13 @@ class MegatronOffload:
             return found
         all_names = [qn for qn, _ in chunk.named_modules() if qn]
         mapping = {
-            name: _patterns(found.modules[name], all_names)
+            name: module_patterns(found.modules[name], all_names)
             for name in self.names if found.modules.get(name)
         }
+        mapping.update({region: module_patterns(qns, all_names) for region, qns in self.regions.items()})
         # a covered norm has no group of its own: its covering name's groups hold what it saves
-        offload.get_manager().declare_names(found.names | {n for n, by in found.covered.items() if by in self.names})
+        offload.get_manager().declare_names(found.names | set(self.regions)
+                                            | {n for n, by in found.covered.items() if by in self.names})
         self._attached.append(offload.attach(chunk, mapping, chunk_id=chunk_id))
         self.mapping.append(mapping)
         modules = dict(chunk.named_modules())
@@ -831,19 +938,137 @@ class MegatronOffload:
         )
 
     def wrap(self, forward_backward_func: Callable[..., Any]) -> Callable[..., Any]:
-        """`wrap_forward_backward_func` when offloading is on; the function itself otherwise."""
+        """`wrap_forward_backward_func` when offloading is on; the function itself otherwise.
+
+        With ``--offload-modules=auto`` the wrapper's first call that trains (not
+        ``forward_only``) makes the plan before it runs (`_plan_first_call`): the schedule's own
+        arguments are the only place that knows how to run one step of this model (its
+        ``forward_step_func``, data and sequence sizes), and planning there needs no change to the
+        training loop. Later calls run as with names.
+        """
         if not self.enabled:
             return forward_backward_func
-        return wrap_forward_backward_func(forward_backward_func)
+        inner = wrap_forward_backward_func(forward_backward_func)
+        if self.auto is None:
+            return inner
+        raw = getattr(inner, "__wrapped__", forward_backward_func)
+
+        @functools.wraps(raw)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if self.plan is None and not kwargs.get("forward_only", False):
+                kwargs = self._plan_first_call(raw, args, kwargs)
+            return inner(*args, **kwargs)
+
+        run.__offload_wrapped__ = True  # type: ignore[attr-defined]
+        return run
 
     def remove(self) -> None:
-        """Take every hook away again (the engine stays configured)."""
+        """Take every hook and the plan's checkpoints away again (the engine stays configured)."""
         for handle in self._attached:
             handle.remove()
         for h in self._hooks:
             h.remove()
+        for undo in reversed(self._undo):
+            undo()
         self._attached.clear()
         self._hooks.clear()
+        self._undo.clear()
+
+
+    def _plan_first_call(self, forward_backward_func: Callable[..., Any], args: tuple,
+                         kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Make the plan on this call's arguments, agree on it across ranks, apply it, check it;
+        returns the arguments for the call itself.
+
+        The planner's ``step()`` runs ``forward_backward_func`` with the same arguments and
+        ``num_microbatches=1``, on a copy of the call's first microbatch: the no-pipelining
+        schedule runs each microbatch's forward and backward before the next one's, so one
+        microbatch has the step's peak, and the planner's model (one forward, then its
+        backward) describes it. The call itself gets its data iterator back with that
+        microbatch in front. Before each planning step the gradients are zeroed (Megatron's
+        DDP: ``zero_grad_buffer()``, which also resets its buckets; otherwise in place), and
+        afterwards `megatron_plan.Untouched` puts back what the steps changed: gradients (zero, or ``None``
+        where they were), the random states (torch's, CUDA's, Megatron's RNG tracker), the
+        chunk's buffers (a MoE router's token counts) and the MoE aux-loss
+        tracker, so that training goes on as it would have without the plan.
+        """
+        from megatron.core.pipeline_parallel import schedules as msched
+
+        from offload.planner.check import deviations, measure
+
+        from . import megatron_plan
+        from offload.planner.planning import CHECK_WARMUP
+        from offload.planner.planning import plan as make_plan
+
+        auto = self.auto
+        if args:
+            raise OffloadValueError(f"offload: --offload-modules={AUTO}: call forward_backward_func with keyword "
+                                    "arguments, as megatron-core's schedules take them")
+        if forward_backward_func is not msched.forward_backward_no_pipelining:
+            raise OffloadError(
+                f"offload: --offload-modules={AUTO} plans through megatron-core's forward_backward_no_pipelining "
+                f"(pipeline parallel size 1); got {getattr(forward_backward_func, '__name__', forward_backward_func)}")
+        models = kwargs.get("model")
+        models = list(models) if isinstance(models, (list, tuple)) else [models]
+        untouched = megatron_plan.Untouched(auto.chunk, models)
+        first, data = megatron_plan.peek(kwargs.get("data_iterator"))
+        device = torch.device(auto.device) if auto.device is not None else next(auto.chunk.parameters()).device
+        cuda = device.type == "cuda"
+
+        def step() -> None:
+            untouched.zero_grads()
+            data_once = megatron_plan.replay(kwargs.get("data_iterator"), first)
+            kw = {**kwargs, "num_microbatches": 1, "data_iterator": data_once}
+            if self._attached:  # the check's steps: the plan is applied
+                offload.set_schedule(megatron_order(forward_backward_func, kw))
+            forward_backward_func(**kw)
+
+        try:
+            plan = make_plan(auto.chunk, auto.mapping, step, auto.budget, regions="auto", device=device,
+                             min_tensor_bytes=auto.min_tensor_bytes, bandwidth=auto.bandwidth, apply=False,
+                             check_steps=0, verbose=False)
+            megatron_plan.agree(plan)
+            self._apply_plan(plan, device)
+            plan.notes.extend(auto.notes())
+            if auto.check_steps:
+                plan.measured = measure(step, auto.check_steps, CHECK_WARMUP[device.type], cuda)
+                devs = deviations(plan.predicted_step_ms, plan.predicted_peak_bytes, plan.measured) if cuda else []
+                if devs:
+                    plan.notes.append("Not planned again (the Megatron integration plans once, with the same plan on "
+                                      "every rank): " + "; ".join(devs) + ".")
+        except BaseException:
+            self.remove()
+            offload.reset()
+            untouched.restore()
+            raise
+        untouched.restore()
+        plan.applied = self  # plan.remove() takes the hooks and checkpoints away
+        self.plan = plan
+        if auto.verbose and megatron_plan.rank() == 0:
+            print(plan.table(), flush=True)
+        return {**kwargs, "data_iterator": data}
+
+    def _apply_plan(self, plan: Any, device: torch.device) -> None:
+        """Checkpoint the plan's regions (with Megatron's RNG tracker restored for their
+        recompute) and attach its offloaded names and regions to the chunk."""
+        from offload.planner.apply import checkpoint_modules
+
+        from . import megatron_plan
+
+        auto = self.auto
+        a = plan.assignment
+        containers = {c: list(v["modules"]) for c, v in plan.profile.get("regions", {}).get("containers", {}).items()}
+        where = {**{n: auto.found.modules[n] for n in auto.mapping}, **containers}
+        self._undo.append(checkpoint_modules(auto.chunk, [qn for r in a.checkpoint for qn in where[r]],
+                                             context_fn=megatron_plan.tracker_context))
+        self.names = tuple(n for n in a.offload if n in NAMES)
+        self.regions = {r: where[r] for r in a.offload if r not in NAMES}
+        if not a.offload:
+            return
+        offload.configure(self.names + tuple(self.regions), min_tensor_bytes=auto.min_tensor_bytes,
+                          max_inflight_groups=a.max_inflight_groups, device=device)
+        self.attach_chunk(auto.chunk, 0, auto.found)
+        self.check_names_exist()
 
 
 def apply(
@@ -854,6 +1079,10 @@ def apply(
     max_inflight_groups: int = 1,
     policy: str | group_policy.GroupPolicy | None = None,
     device: torch.device | str | None = None,
+    memory_budget: Budget | str | int | None = None,
+    bandwidth: Any = None,
+    check_steps: int = 3,
+    verbose: bool = True,
 ) -> MegatronOffload:
     """Configure the engine for ``modules`` and attach them to each model chunk.
 
@@ -862,15 +1091,28 @@ def apply(
     `parse_policy` string or a `GroupPolicy`. Raises `UnknownModuleError` for a name that is
     not in `NAMES` or not in this model, `OffloadError` for a conflicting Megatron option
     (`check_compatible`). Then wrap the ``forward_backward_func`` with ``.wrap(...)``.
+
+    ``modules="auto"`` with ``memory_budget`` (`offload.Budget`'s forms) checks the model and
+    its config at once (`megatron_plan.check_auto`, `megatron_plan.plan_mapping`) and attaches nothing: the wrapped
+    function plans on its first training call (`MegatronOffload.wrap`). ``bandwidth`` (the
+    planner's: a probe's JSON, a `Bandwidth` or GB/s; measured when ``None``), ``check_steps``
+    (steps measured with the plan applied) and ``verbose`` (print the plan's table on rank 0)
+    are for the plan only.
     """
     names = parse_module_list(modules)
-    check_known(names, NAMES, "--offload-modules")
+    budget = check_auto_options(names, memory_budget, max_inflight_groups, policy)
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     if not chunks:
         raise ValueError("offload: apply() needs at least one model chunk")
     found = [find_modules(chunk) for chunk in chunks]
+    if budget is not None:
+        from . import megatron_plan
+
+        settings = megatron_plan.auto_settings(chunks, found, budget, min_tensor_bytes=min_tensor_bytes, device=device,
+                                               bandwidth=bandwidth, check_steps=check_steps, verbose=verbose)
+        return MegatronOffload((), settings)
     for chunk in chunks:
-        config = getattr(_unwrap(chunk), "config", None)
+        config = getattr(unwrap(chunk), "config", None)
         if config is not None:
             check_compatible(config, names, found)
     if isinstance(policy, str) or policy is None:
@@ -894,7 +1136,8 @@ def apply_from_args(model: nn.Module | Sequence[nn.Module], args: argparse.Names
     """`apply` with the settings of the flags that `add_arguments` added."""
     opts = Options.from_args(args)
     return apply(model, opts.modules, min_tensor_bytes=opts.min_tensor_bytes,
-                 max_inflight_groups=opts.max_inflight_groups, policy=opts.policy, device=device)
+                 max_inflight_groups=opts.max_inflight_groups, policy=opts.policy, device=device,
+                 memory_budget=opts.memory_budget)
 
 
 # ------------------------------------------------------------------------------- schedule
@@ -1030,10 +1273,15 @@ def wrap_model_provider(
             ns = get_args()
         if "handle" not in state:
             opts = Options.from_args(ns)
-            check_compatible(getattr(_unwrap(chunk), "config", ns), opts.modules, [find_modules(chunk)])
+            if opts.auto:
+                raise OffloadError(
+                    f"offload: --offload-modules={AUTO} is not wired into Megatron-LM's pretrain yet (its plan is "
+                    "made by the wrapped forward_backward_func of apply_from_args(...).wrap(...), in a training loop "
+                    "of your own: examples/megatron_gpt.py); give names here")
+            check_compatible(getattr(unwrap(chunk), "config", ns), opts.modules, [find_modules(chunk)])
             handle = MegatronOffload(opts.modules)
             if opts.modules:
-                param = next(_unwrap(chunk).parameters(), None)  # offload from where the model lives
+                param = next(unwrap(chunk).parameters(), None)  # offload from where the model lives
                 offload.configure(opts.modules, min_tensor_bytes=opts.min_tensor_bytes,
                                   max_inflight_groups=opts.max_inflight_groups,
                                   policy=parse_policy(opts.policy),
@@ -1043,7 +1291,7 @@ def wrap_model_provider(
         handle = state["handle"]
         if not handle.enabled:
             return chunk
-        vp_stage = kwargs.get("vp_stage", getattr(_unwrap(chunk), "vp_stage", None))
+        vp_stage = kwargs.get("vp_stage", getattr(unwrap(chunk), "vp_stage", None))
         chunk_id = 0 if vp_stage is None else int(vp_stage)
         handle.attach_chunk(chunk, chunk_id)
         vpp = getattr(ns, "virtual_pipeline_model_parallel_size", None) or 1

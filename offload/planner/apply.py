@@ -16,7 +16,9 @@ import fnmatch
 import weakref
 from typing import Any, Callable
 
+import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import OffloadValueError
@@ -49,14 +51,32 @@ def checkpoint_modules(model: nn.Module, qualnames: list[str],
 def _checkpointed(module: nn.Module, context_fn: Callable[[], Any] | None) -> Callable[..., Any]:
     """``module``'s forward under checkpointing. It refers to ``module`` weakly: stored on the
     module, a strong reference would make a cycle that keeps the module (and what it holds on
-    the GPU) alive after its last user lets it go, until the garbage collector runs."""
+    the GPU) alive after its last user lets it go, until the garbage collector runs.
+
+    Every tensor among the arguments, keyword or nested ones included, reaches the checkpoint
+    as a positional argument: non-reentrant checkpointing saves only its positional tensors
+    (saved tensors, which the engine can offload) and takes the devices whose random state it
+    restores from them; keyword tensors (megatron-core calls its layers with keywords only)
+    would be held by a reference instead, out of the engine's reach, and a layer called with
+    keywords alone would get its CUDA random state not restored in the recompute."""
     extra = {} if context_fn is None else {"context_fn": context_fn}
     own = module.__dict__.get("forward")  # a forward set on the instance (it holds the module itself)
     module_ref = weakref.ref(module)
 
     def run(*args: Any, **kwargs: Any) -> Any:
         forward = own if own is not None else type(module_ref()).forward.__get__(module_ref())
-        return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
+        leaves, spec = tree_flatten((args, kwargs))
+        at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        template = [None if isinstance(x, torch.Tensor) else x for x in leaves]  # no reference to the tensors
+
+        def call(*tensors: torch.Tensor) -> Any:
+            filled = list(template)
+            for i, t in zip(at, tensors):
+                filled[i] = t
+            a, kw = tree_unflatten(filled, spec)
+            return forward(*a, **kw)
+
+        return checkpoint(call, *(leaves[i] for i in at), use_reentrant=False, **extra)
 
     run._offload_checkpointed = True  # type: ignore[attr-defined]
     return run

@@ -61,7 +61,9 @@ class Plan:
     measured: Measured | None = None
     notes: list[str] = field(default_factory=list)
     history: list[dict[str, Any]] = field(default_factory=list)
-    _applied: Applied | None = field(default=None, repr=False)
+    applied: Any = field(default=None, repr=False)
+    """What `remove` undoes (an object with ``remove()``): the planner's `Applied`, or an
+    integration's handle that applied the plan itself."""
 
     @property
     def base_step_ms(self) -> float:
@@ -74,9 +76,9 @@ class Plan:
     def remove(self) -> None:
         """Undo the plan: no checkpointed regions, an engine that offloads nothing."""
         global _active
-        if self._applied is not None:
-            self._applied.remove()
-            self._applied = None
+        if self.applied is not None:
+            self.applied.remove()
+            self.applied = None
         if _active is self:
             _active = None
 
@@ -204,7 +206,7 @@ def plan(model: nn.Module, mapping: Mapping[str, str] | str | list[str], step: C
 def _apply(result: Plan, model: nn.Module, mapping: dict[str, str], containers: dict[str, list[str]],
            engine: dict[str, Any]) -> None:
     a = result.assignment
-    result._applied = Applied(model, mapping, containers, a.checkpoint, a.offload, a.max_inflight_groups, engine)
+    result.applied = Applied(model, mapping, containers, a.checkpoint, a.offload, a.max_inflight_groups, engine)
 
 
 def _check_and_replan(result: Plan, model: nn.Module, mapping: dict[str, str], containers: dict[str, list[str]],
@@ -227,7 +229,7 @@ def _check_and_replan(result: Plan, model: nn.Module, mapping: dict[str, str], c
     result.rows = explain(model_, assignment, pred)
     result.profile, result.bandwidth = prof, link
     if changed:
-        result._applied.remove()
+        result.applied.remove()
         _apply(result, model, mapping, containers, engine)
         result.measured = measure(step, check_steps, CHECK_WARMUP["cuda"], True)
 

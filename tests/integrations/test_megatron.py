@@ -153,9 +153,9 @@ def test_apply_attaches_short_patterns_through_wrappers(mg):
 
 def test_patterns_fall_back_to_exact_names_where_a_wildcard_overreaches(mg):
     names = ["a.layers.0.fc", "a.layers.1.fc", "a.layers.2.fc"]
-    assert mg._patterns(names[:2], names) == ["a.layers.0.fc", "a.layers.1.fc"]
-    assert mg._patterns(names, names) == ["a.layers.*.fc"]
-    assert mg._patterns(["x[1]"], ["x[1]", "x1"]) == ["x[[]1]"]
+    assert mg.module_patterns(names[:2], names) == ["a.layers.0.fc", "a.layers.1.fc"]
+    assert mg.module_patterns(names, names) == ["a.layers.*.fc"]
+    assert mg.module_patterns(["x[1]"], ["x[1]", "x1"]) == ["x[[]1]"]
 
 
 def test_moe_act_and_mlp_act_are_groups_between_fc1_and_fc2(mg):
