@@ -21,6 +21,15 @@ from offload.presets import checkpoint_wraps_hooks  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="module")
+def example():
+    """examples/hf_finetune.py as a module (its ``parse_args``)."""
+    spec = importlib.util.spec_from_file_location("hf_finetune", ROOT / "examples" / "hf_finetune.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _run(*args: str) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     out = subprocess.run([sys.executable, "examples/hf_finetune.py", "--device", "cpu", *args], cwd=ROOT,
@@ -74,18 +83,16 @@ def test_hf_finetune_gradient_checkpointing_offloads_the_layer_inputs():
     (["--memory-budget=-30%", "--steps", "1"], "--memory-budget plans after the first step"),
     (["--memory-budget=lots"], "lots"),
 ])
-def test_hf_finetune_arguments_are_checked_first(args, message):
-    out = subprocess.run([sys.executable, "examples/hf_finetune.py", "--device", "cpu", *args], cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and message in out.stderr, out.stderr
+def test_hf_finetune_arguments_are_checked_first(example, capsys, args, message):
+    """``parse_args`` refuses them (exit 2) before any model or process exists."""
+    with pytest.raises(SystemExit) as exit_:
+        example.parse_args(["--device", "cpu", *args])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_hf_finetune_refuses_layer_where_checkpointing_wraps_the_hooks(monkeypatch, capsys):
+def test_hf_finetune_refuses_layer_where_checkpointing_wraps_the_hooks(example, monkeypatch, capsys):
     """transformers < 5.23: ``--offload-modules layer --gradient-checkpointing`` would offload
     nothing, so the arguments are refused (exit 2) before any run; without checkpointing they pass."""
-    spec = importlib.util.spec_from_file_location("hf_finetune", ROOT / "examples" / "hf_finetune.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
     monkeypatch.setattr(presets, "checkpoint_wraps_hooks", lambda cls: True)
     assert example.parse_args(["--device", "cpu", "--offload-modules", "layer"]).offload_modules == "layer"
     with pytest.raises(SystemExit) as exit_:

@@ -121,6 +121,10 @@ def example_worker(rank: int, world: int, port: int, argv: list[str]) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    # One thread a rank: the ranks share the machine's cores, and with several threads MKL's
+    # dynamic threading may give a GEMM fewer of them when the machine is busy, which changes
+    # its summation order (CI saw a reference run's first loss differ in its last bits).
+    torch.set_num_threads(1)
     sys.exit(example_worker_main(argv, pipeline=True))
 
 
