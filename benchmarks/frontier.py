@@ -261,7 +261,9 @@ def _gib(n: int | None) -> str:
 
 def report(records: list[dict[str, Any]]) -> str:
     """A table per workload (full recompute as the reference) and the targets."""
-    text = [f"# Memory/time frontier\n\n`{records[0]['command']}` on {records[0]['device']}.\n"]
+    commands = " and ".join(f"`{c}`" for c in dict.fromkeys(r["command"] for r in records))  # runs merged
+    text = [f"# Memory/time frontier\n\n{commands} (each configuration in its own process) on "
+            f"{records[0]['device']}.\n"]
     shapes = CPU_WORKLOADS if records[0]["device"] == "cpu" else WORKLOADS
     for w in sorted({r["workload"] for r in records}):
         rows = [r for r in records if r["workload"] == w]

@@ -25,6 +25,15 @@ Note [1]: the backward signal adds no autograd node.
     then reloaded on demand, correct but not overlapped. The hooks hold only a weak reference
     to the group; when the group is gone, a callback removes them, so a leaf input (whose hooks
     live on the tensor, not in the graph) does not collect them across iterations.
+
+Note [2]: a checkpointed module signals when its backward starts.
+    Under ``torch.utils.checkpoint`` a module's group holds only the inputs the checkpoint keeps,
+    and its backward begins by recomputing the forward from all of them. Signalled at its end,
+    the group's predecessor (the same name one layer earlier) would be reloaded just when its
+    own recompute reads it, with nothing to overlap the copy. So where the module's hooks run
+    outside the checkpoint (`_forward_is_checkpointed`), `attach` hooks the gradients of the
+    module's outputs instead of its inputs: the predecessor's reload runs under this module's
+    whole recompute and backward, for one more group of inputs held at a time.
 """
 
 from __future__ import annotations
@@ -65,6 +74,15 @@ class _BackwardSignal:
             group = self.group_ref()
             if group is not None:
                 self.manager.on_group_backward_done(group)
+
+
+def _forward_is_checkpointed(module: nn.Module) -> bool:
+    """Whether ``module``'s forward runs under ``torch.utils.checkpoint`` with the module's hooks
+    outside it (Note [2]): a region the planner checkpoints (`offload.planner.apply`), or a
+    transformers decoder layer with gradient checkpointing on (from transformers 5.23)."""
+    if getattr(module.__dict__.get("forward"), "_offload_checkpointed", False):
+        return True
+    return bool(module.training and getattr(module, "gradient_checkpointing", False))
 
 
 def _signal_backward_done(group: Any, tensors: Iterable[Any]) -> None:
@@ -187,33 +205,39 @@ def _module_hooks(module: nn.Module, name: str) -> list[Any]:
     # group raised. Torch calls the forward hook (always_call) after such an error too; it
     # must then close nothing, so that the error that stopped the forward surfaces alone.
     # Traced by torch.compile, both hooks do nothing (docs/compile.md).
-    stack: list[group | None] = []
+    # (the region, whether its forward is checkpointed) per invocation.
+    stack: list[tuple[group, bool] | None] = []
 
     @torch.compiler.disable
-    def open_region(args: tuple, kwargs: dict) -> None:
-        region = group(name, *args, *kwargs.values())
+    def open_region(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        checkpointed = _forward_is_checkpointed(mod)  # signals from its outputs instead (Note [2])
+        region = group(name) if checkpointed else group(name, *args, *kwargs.values())
         try:
             region._open()  # a failed open leaves nothing open (`open_group` undoes itself)
         except BaseException:
             stack.append(None)
             raise
-        stack.append(region)
+        stack.append((region, checkpointed))
 
     @torch.compiler.disable
-    def close_region() -> None:
+    def close_region(output: Any) -> None:
         if not stack:
             return  # an earlier pre-hook raised before ours ran: nothing was opened
-        region = stack.pop()
-        if region is not None:
-            region._close()
+        entry = stack.pop()
+        if entry is None:
+            return
+        region, checkpointed = entry
+        if checkpointed and region._group is not None:
+            _signal_backward_done(region._group, torch.utils._pytree.tree_leaves(output))
+        region._close()
 
     def pre(mod: nn.Module, args: tuple, kwargs: dict) -> None:
         if not torch.compiler.is_compiling():
-            open_region(args, kwargs)
+            open_region(mod, args, kwargs)
 
     def post(mod: nn.Module, args: tuple, output: Any) -> None:
         if not torch.compiler.is_compiling():
-            close_region()
+            close_region(output)
 
     return [
         module.register_forward_pre_hook(pre, with_kwargs=True),

@@ -487,3 +487,43 @@ def test_checkpointed_forward_saves_keyword_and_nested_tensor_inputs():
     assert all(torch.equal(a, b) for a, b in zip(plain[1], grads))
     control, _ = run(lambda b, x, e, p: checkpoint(b, x, use_reentrant=False, extra=e, pair=(p,)))
     assert control == [True, False, False]
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["start-of-backward", "control-end-of-backward"])
+def test_checkpointed_region_prefetches_the_one_before_it_from_the_start_of_its_backward(
+        configure, monkeypatch, early):
+    """A checkpointed block whose inputs are offloaded (the "memory-free" layer) reloads the
+    block before it when its own backward starts (Note [2] of offload.regions), not when it ends,
+    where that block's recompute would wait for the copy; gradients stay bitwise. The control
+    signals from the inputs as an ordinary group does."""
+    from offload import regions
+    from offload.manager import PipelineOffloadManager
+
+    if not early:
+        monkeypatch.setattr(regions, "_forward_is_checkpointed", lambda module: False)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),
+                                                      torch.nn.Linear(32, 16)) for _ in range(4)])
+    ref = copy.deepcopy(model)
+    checkpoint_modules(model, ["0", "1", "2", "3"])
+    configure(["block"])
+    offload.attach(model, {"block": ["0", "1", "2", "3"]})
+    events: list[tuple[str, int]] = []
+    reload = PipelineOffloadManager.reload
+
+    def spy(self, group, *args, **kwargs):
+        events.append(("reload", group.layer))
+        return reload(self, group, *args, **kwargs)
+
+    monkeypatch.setattr(PipelineOffloadManager, "reload", spy)
+    for i, block in enumerate(model):
+        block[0].register_forward_pre_hook(
+            lambda *_, i=i: events.append(("recompute", i)) if torch._C._current_graph_task_id() != -1 else None)
+    x = torch.randn(8, 16, requires_grad=True)
+    model(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    assert first_difference({n: p.grad for n, p in ref.named_parameters()},
+                            {n: p.grad for n, p in model.named_parameters()}) is None
+    assert offload.end_iteration().by_name["block"].reloads_prefetched == 2
+    for i in (1, 2):  # block 0's input is the leaf x (never offloaded); block 3 is kept
+        assert (events.index(("reload", i)) < events.index(("recompute", i + 1))) is early, events

@@ -335,6 +335,49 @@ def test_layer_offloads_the_inputs_checkpointing_keeps(configure, reentrant):
             assert (s["core_attn"].groups_recomputed, s["core_attn"].bytes_offloaded) == (4, 0)
 
 
+def reload_order(model: nn.Module, monkeypatch) -> list[tuple[str, int]]:
+    """Train one step of the checkpointed, ``layer``-attached model; the order in which backward
+    reloads ``layer`` groups and recomputes the layers: ("reload", layer), ("recompute", layer)."""
+    from offload.manager import PipelineOffloadManager
+
+    events: list[tuple[str, int]] = []
+    reload = PipelineOffloadManager.reload
+
+    def spy(self, group, *args, **kwargs):
+        if group.name == "layer":
+            events.append(("reload", group.layer))
+        return reload(self, group, *args, **kwargs)
+
+    monkeypatch.setattr(PipelineOffloadManager, "reload", spy)
+    for i, layer in enumerate(model.model.layers):  # self_attn's hooks run inside the checkpoint
+        layer.self_attn.register_forward_pre_hook(
+            lambda *_, i=i: events.append(("recompute", i)) if torch._C._current_graph_task_id() != -1 else None)
+    step(model, token_ids(0))
+    offload.end_iteration()
+    return events
+
+
+@needs_forward_checkpointing
+@pytest.mark.parametrize("early", [True, False], ids=["start-of-backward", "control-end-of-backward"])
+def test_checkpointed_layer_prefetches_the_layer_before_it_from_the_start_of_its_backward(
+        configure, monkeypatch, early):
+    """Note [2] of offload.regions: layer i's backward starts by recomputing from its inputs, so
+    layer i-1's reload is issued when layer i's backward starts (its outputs' gradient hooks),
+    not when it ends, which would leave the copy nothing to hide behind. The control signals
+    from the inputs and reloads layer i-1 only after layer i is recomputed."""
+    from offload import regions
+
+    if not early:
+        monkeypatch.setattr(regions, "_forward_is_checkpointed", lambda module: False)
+    model = checkpointed(tiny_model("llama", layers=4))
+    configure(["layer"])
+    offload.attach(model, presets.mapping_for(model, "layer"))
+    events = reload_order(model, monkeypatch)
+    for i in (1, 2):  # layer 3 is kept; layer 0's input is held elsewhere (not reloaded)
+        reloaded, recomputed_next = events.index(("reload", i)), events.index(("recompute", i + 1))
+        assert (reloaded < recomputed_next) is early, events
+
+
 def test_layer_under_checkpointing_that_wraps_hooks_is_refused(monkeypatch):
     """transformers < 5.23 checkpoints a layer's hooks too: ``layer`` would open its group after
     the checkpoint saved the inputs, so mapping_for refuses it while checkpointing is on."""
