@@ -103,9 +103,13 @@ def _control() -> int:
     return 1
 
 
-def _steps(regions: bool = False) -> int:
-    """Offloading steps under the sanitizer; with ``regions``, each layer runs as an
-    ``offload.graphs`` graphed-callable region, eagerly: the warm-up that plans a capture."""
+def _steps(mode: str = "steps") -> int:
+    """Offloading steps under the sanitizer. ``regions``: each layer runs as an
+    ``offload.graphs`` graphed-callable region, eagerly: the warm-up that plans a capture.
+    ``checkpointed``: each layer runs under the planner's checkpointing with its inputs
+    offloaded (the "memory-free" layer), whose group signals when its backward starts (Note [2]
+    of offload/regions.py), so the layer below reloads under this layer's recompute."""
+    regions = mode == "regions"
     import collections
     import copy
 
@@ -146,8 +150,16 @@ def _steps(regions: bool = False) -> int:
         print(f"SANITIZER-FAIL: the reference itself is not reproducible: {diff}", flush=True)
         return 1
 
-    manager = offload.configure(NAMES, device="cuda", min_tensor_bytes=1024)
-    offload.attach(model, GPT_MAPPING)
+    if mode == "checkpointed":
+        from offload.planner.apply import checkpoint_modules
+
+        layer_names = [f"layers.{i}" for i in range(layers)]
+        checkpoint_modules(model, layer_names)
+        manager = offload.configure(["layers"], device="cuda", min_tensor_bytes=1024)
+        offload.attach(model, {"layers": layer_names})
+    else:
+        manager = offload.configure(NAMES, device="cuda", min_tensor_bytes=1024)
+        offload.attach(model, GPT_MAPPING)
     if regions:  # the model's forward through per-layer regions (same modules, same parameters)
         fns = [offload.graphs._as_region(layer, ("layer", i)) for i, layer in enumerate(model.layers)]
 
@@ -201,7 +213,7 @@ def _steps(regions: bool = False) -> int:
     if regions and not manager.captures.plans:
         print("SANITIZER-FAIL: no region ran", flush=True)
         return 1
-    print(f"SANITIZER-OK {'regions ' if regions else ''}steps={PLAIN_STEPS + SLOW_STEPS} {summary}", flush=True)
+    print(f"SANITIZER-OK {mode} steps={PLAIN_STEPS + SLOW_STEPS} {summary}", flush=True)
     return 0
 
 
@@ -246,11 +258,12 @@ def test_sanitizer_reports_a_deliberate_race():
 
 
 @requires_cuda
-@pytest.mark.parametrize("mode", ["steps", "regions"])
+@pytest.mark.parametrize("mode", ["steps", "regions", "checkpointed"])
 def test_offloading_steps_are_race_free_under_the_sanitizer(mode):
     """``steps``: eager offloading steps. ``regions``: the same steps with every layer an
     ``offload.graphs`` region run eagerly, the warm-up whose plan a capture repeats (a capture
-    itself runs no kernel the sanitizer could see)."""
+    itself runs no kernel the sanitizer could see). ``checkpointed``: checkpointed layers whose
+    inputs are offloaded, each reloading the one below from the start of its backward."""
     proc = _run_sanitized(mode)
     report = _report(proc.stdout, proc.stderr)
     assert "CSAN detected" not in proc.stderr, f"the sanitizer reported a race{report}"
@@ -261,6 +274,6 @@ def test_offloading_steps_are_race_free_under_the_sanitizer(mode):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2 or sys.argv[1] not in ("control", "steps", "regions"):
-        raise SystemExit(f"usage: TORCH_CUDA_SANITIZER=1 {sys.argv[0]} control|steps|regions")
-    sys.exit(_control() if sys.argv[1] == "control" else _steps(regions=sys.argv[1] == "regions"))
+    if len(sys.argv) != 2 or sys.argv[1] not in ("control", "steps", "regions", "checkpointed"):
+        raise SystemExit(f"usage: TORCH_CUDA_SANITIZER=1 {sys.argv[0]} control|steps|regions|checkpointed")
+    sys.exit(_control() if sys.argv[1] == "control" else _steps(sys.argv[1]))
