@@ -34,6 +34,7 @@ from torch import nn
 
 from .config import parse_module_list
 from .errors import OffloadError, UnknownModuleError
+from .regions import exact_pattern
 
 __all__ = [
     "ARCHITECTURES",
@@ -174,16 +175,11 @@ def _layers(model: nn.Module, arch: Architecture) -> dict[str, nn.Module]:
     return {qn: m for qn, m in model.named_modules() if qn and _is_layer(m, arch)}
 
 
-def _escape(qualname: str) -> str:
-    """``qualname`` as an fnmatch pattern that matches it alone."""
-    return re.sub(r"([*?\[])", r"[\1]", qualname)
-
-
 def _layer_prefixes(layer_names: Iterable[str]) -> list[str]:
     """``model.layers.0``, ``model.layers.1`` → ``model.layers.*`` (layer indices become ``*``)."""
     out: list[str] = []
     for qn in layer_names:
-        prefix = re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", _escape(qn))
+        prefix = re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", exact_pattern(qn))
         if prefix not in out:
             out.append(prefix)
     return out
@@ -214,7 +210,7 @@ def _resolve(model: nn.Module) -> tuple[str, Architecture, dict[str, nn.Module],
             have[name] = patterns
         else:
             absent[name] = arch.absent.get(name, f"no {' or '.join(suffixes)} in this model's layers")
-    have["layer"] = [_escape(qn) for qn in layers]  # each layer by its own path: a '*' would match inside it
+    have["layer"] = [exact_pattern(qn) for qn in layers]  # each layer by its own path: a '*' would match inside it
     return model_type, arch, layers, have, absent
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import re
 import warnings
 import weakref
 from typing import Any, Iterable, Mapping, Sequence
@@ -398,6 +399,12 @@ def _check_not_nested(name: str, hits: dict[str, str]) -> None:
         "inside itself. fnmatch's '*' matches '.' too: match only the outer modules, e.g. with "
         f"{_outer_patterns(tops)}"
     )
+
+
+def exact_pattern(qualname: str) -> str:
+    """The `attach` pattern that matches the module ``qualname`` alone (fnmatch's ``*``, ``?``
+    and ``[`` escaped)."""
+    return re.sub(r"([*?\[])", r"[\1]", qualname)
 
 
 def _ancestors(qn: str) -> Iterable[str]:

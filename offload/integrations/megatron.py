@@ -141,6 +141,7 @@ import offload
 from offload import group_policy
 from offload.config import DEFAULT_MIN_TENSOR_BYTES, check_known, parse_module_list
 from offload.errors import OffloadError, OffloadValueError, UnknownModuleError
+from offload.regions import exact_pattern
 from offload.planner.budget import Budget
 from offload.schedules import schedule_table, table_to_order
 from offload.stats import IterationStats
@@ -393,11 +394,6 @@ def _default_absence(name: str) -> str:
     return "no such submodule in this model's transformer layers"
 
 
-def _escape(qualname: str) -> str:
-    """An fnmatch pattern that matches exactly ``qualname``."""
-    return re.sub(r"([*?\[])", r"[\1]", qualname)
-
-
 def module_patterns(targets: list[str], all_names: list[str]) -> list[str]:
     """Short fnmatch patterns that match exactly ``targets`` among ``all_names``.
 
@@ -408,11 +404,11 @@ def module_patterns(targets: list[str], all_names: list[str]) -> list[str]:
     wanted = set(targets)
     groups: dict[str, list[str]] = {}
     for qn in targets:
-        groups.setdefault(re.sub(r"(?<=\.)\d+(?=\.|$)", "*", _escape(qn)), []).append(qn)
+        groups.setdefault(re.sub(r"(?<=\.)\d+(?=\.|$)", "*", exact_pattern(qn)), []).append(qn)
     out: list[str] = []
     for pattern, members in groups.items():
         hits = {qn for qn in all_names if fnmatch.fnmatchcase(qn, pattern)}
-        out.extend([pattern] if hits <= wanted else [_escape(qn) for qn in members])
+        out.extend([pattern] if hits <= wanted else [exact_pattern(qn) for qn in members])
     return out
 
 
