@@ -182,6 +182,11 @@ def run(job: dict[str, Any], in_process: bool) -> dict[str, Any]:
             raise SystemExit(f"{label} failed ({proc.returncode}):\n{proc.stderr}")
         result = json.loads(proc.stdout.strip().splitlines()[-1])
     print(f"{result['step_ms']:.1f} ms", file=sys.stderr, flush=True)
+    if not in_process and job["strategy"] == "plan":  # the plan's table: what it chose, measured and kept
+        lines = proc.stderr.splitlines()
+        warned = {k for k, line in enumerate(lines) if "Warning:" in line}  # a warning and its source line
+        print("\n".join("    " + line for k, line in enumerate(lines) if k not in warned and k - 1 not in warned),
+              file=sys.stderr, flush=True)
     return result
 
 

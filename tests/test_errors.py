@@ -233,6 +233,7 @@ CUDA_ONLY_SCRIPTS = {
     "graph_pool_trace": ("benchmarks/graph_pool_trace.py", []),
     "graphs": ("benchmarks/graphs.py", ["--out", "out"]),
     "copy_issue": ("benchmarks/copy_issue.py", []),
+    "sync_latency": ("benchmarks/sync_latency.py", []),
     "offload.tools.bandwidth": ("offload/tools/bandwidth.py", []),
     "offload.tools.memory": ("offload/tools/memory.py", ["--modules", "core_attn", "--device", "cuda"]),
 }

@@ -272,7 +272,7 @@ def test_recompute_beats_offloading_on_a_slow_link(gpt):
     m = Model(prof, Bandwidth.constant(0.01))
     a, p = search.choose(m, int(0.4 * prof["peak_allocated"]))
     assert set(a.checkpoint) == {"self_attention", "mlp"}
-    offload_only = min((search._best_for(m, (), offloaded, 0) for offloaded in
+    offload_only = min((search._best_for(m, (), offloaded, lambda q: search.rank(q, 0)) for offloaded in
                         [("qkv_linear", "core_attn", "attn_proj", "mlp_norm", "fc1", "mlp_act", "fc2")]),
                        key=lambda q: q.cost_ms)
     assert p.cost_ms < offload_only.cost_ms
@@ -329,6 +329,144 @@ def test_replan_trigger_and_corrections(gpt):
     # copies at half the assumed speed: the link is corrected, and recompute gets what is left
     prof3, link3, _, notes = check.calibrate(prof, link, p, slow)
     assert link3.gbps("d2h", 2**20) == pytest.approx(0.025) and any("link" in n for n in notes)
+
+
+def test_a_peak_over_the_budget_deviates_however_close_to_the_prediction():
+    m = check.Measured(step_ms=100.0, peak_bytes=1010)
+    assert check.deviations(100.0, 1000, m) == []  # 1% over the prediction: within 5%
+    assert [d.split()[0] for d in check.deviations(100.0, 1000, m, budget_bytes=1005)] == ["peak"]
+    assert "over the budget" in check.deviations(100.0, 1000, m, budget_bytes=1005)[0]
+    assert check.deviations(100.0, 1000, m, budget_bytes=1010) == []
+
+
+def test_a_peak_under_the_prediction_raises_no_budget(gpt):
+    """The error of one plan's peak below its prediction is that plan's: the budget the model
+    plans for is lowered by a peak over the prediction, and never raised."""
+    prof = gpu_like(gpt[3])
+    link = Bandwidth.constant(0.05)
+    a, p = search.choose(Model(prof, link), int(0.7 * prof["peak_allocated"]))
+    low = check.Measured(step_ms=check.predicted_step_ms(prof, p), peak_bytes=int(p.peak_bytes * 0.8), wait_ms=0.0)
+    assert check.calibrate(prof, link, p, low)[2] == 0
+
+
+def test_choose_excludes_measured_plans(gpt):
+    """The re-plan's runner-up: with the best plan excluded, the next best by the same ranking."""
+    prof = gpu_like(gpt[3])
+    m = Model(prof, Bandwidth.constant(0.05))
+    budget = int(0.6 * prof["peak_allocated"])
+    a, p = search.choose(m, budget)
+    b, q = search.choose(m, budget, exclude=[a])
+    assert b != a and search.rank(p, budget) <= search.rank(q, budget)
+    c, _ = search.choose(m, budget, exclude=[a, b])
+    assert c not in (a, b)
+
+
+class ScriptedChecks:
+    """The re-plan loop of `offload.planner.planning` with the choices and the measurements
+    scripted: ``choices`` are what the model picks, in order (the first: the plan applied); ``measured`` maps an
+    assignment to its (step ms, peak bytes). Records what was applied and the budgets planned for."""
+
+    def __init__(self, gpt, monkeypatch, choices, measured, budget_of):
+        from offload.planner import planning
+
+        self.prof = gpu_like(gpt[3])
+        self.model = Model(self.prof, Bandwidth.constant(0.05))
+        self.measured = measured
+        self.budget = budget_of(self.prof)
+        self.applied, self.planned_for = [], []
+        first = choices[0]
+        pred = first.predict(self.model)
+        self.result = planning.Plan(Budget.parse(self.budget), self.budget, first, pred,
+                                    check.predicted_step_ms(self.prof, pred), pred.peak_bytes,
+                                    search.explain(self.model, first, pred), self.prof, self.model.bw, False)
+        self.current = first
+        self.result.measured = self.measure()
+        rest = iter(choices[1:])
+
+        def choose(model, budget, exclude=()):
+            self.planned_for.append(budget)
+            a = next(rest, choices[-1])  # past the script: the last choice again (measured: the loop stops)
+            return a, a.predict(model)
+
+        monkeypatch.setattr(planning, "choose", choose)
+        planning._check_and_replan(self.result, self.apply, self.measure)
+
+    def apply(self, assignment):
+        self.applied.append(assignment)
+        self.current = assignment
+
+    def measure(self):
+        step, peak = self.measured[self.current]
+        return check.Measured(step_ms=step, peak_bytes=peak, wait_ms=0.0)
+
+
+A1 = search.Assignment(checkpoint=("mlp",), offload=("core_attn",))
+A2 = search.Assignment(offload=("core_attn", "qkv_linear"))
+A3 = search.Assignment(checkpoint=("layers",))
+
+
+def test_a_plan_that_measures_as_predicted_is_kept_without_planning_again(gpt, monkeypatch):
+    prof = gpu_like(gpt[3])
+    p = A1.predict(Model(prof, Bandwidth.constant(0.05)))
+    run = ScriptedChecks(gpt, monkeypatch, [A1], {A1: (check.predicted_step_ms(prof, p), p.peak_bytes)},
+                         lambda prof: 2 * prof["peak_allocated"])
+    assert run.applied == [] and run.planned_for == [] and run.result.history == []
+    assert run.result.assignment == A1 and not any("Kept" in n for n in run.result.notes)
+
+
+def test_a_replan_that_measures_over_the_budget_gives_the_first_plan_back(gpt, monkeypatch):
+    """The H100 case at seq 32768: the first plan ran faster and lower than predicted, the re-plan
+    went over the budget; the first plan is applied again, with its own measurement."""
+    prof = gpu_like(gpt[3])
+    p1 = A1.predict(Model(prof, Bandwidth.constant(0.05)))
+    budget = p1.peak_bytes + 1000
+    step1 = 0.8 * check.predicted_step_ms(prof, p1)
+    run = ScriptedChecks(gpt, monkeypatch, [A1, A2, A1],
+                         {A1: (step1, int(0.9 * p1.peak_bytes)), A2: (0.7 * step1, budget + 1)}, lambda _: budget)
+    assert run.planned_for[0] == budget  # the peak under the prediction raised nothing
+    assert len(run.planned_for) == 2  # after A2, the corrected model chose A1 again: no more measuring
+    assert run.applied == [A2, A1]
+    r = run.result
+    assert r.assignment == A1 and r.measured.step_ms == step1 and r.predicted_peak_bytes == p1.peak_bytes
+    assert [h["assignment"] for h in r.as_dict()["history"]] == [describe(A2)]
+    assert any("over the budget" in d for d in r.history[0]["deviations"])
+    assert "the fastest measured within the budget" in r.notes[-1]
+    assert "Also measured " + describe(A2) in r.table()
+
+
+def test_a_peak_over_the_budget_plans_again_below_it_by_the_excess(gpt, monkeypatch):
+    prof = gpu_like(gpt[3])
+    p1 = A1.predict(Model(prof, Bandwidth.constant(0.05)))
+    budget = p1.peak_bytes + 1000
+    over = 5000
+    step1 = check.predicted_step_ms(prof, p1)
+    run = ScriptedChecks(gpt, monkeypatch, [A1, A3],
+                         {A1: (step1, p1.peak_bytes + over), A3: (1.02 * step1, budget - 1)}, lambda _: budget)
+    assert run.planned_for[0] == budget - over
+    assert run.applied == [A3] and run.result.assignment == A3 and run.result.history[0]["assignment"] == A1
+    p3 = A3.predict(Model(prof, Bandwidth.constant(0.05)))
+    assert run.result.predicted_peak_bytes == p3.peak_bytes + over  # the correction is in the prediction
+
+
+def test_when_no_plan_fits_the_lowest_measured_peak_is_kept_after_three(gpt, monkeypatch):
+    prof = gpu_like(gpt[3])
+    p1 = A1.predict(Model(prof, Bandwidth.constant(0.05)))
+    budget = p1.peak_bytes
+    step = check.predicted_step_ms(prof, p1)
+    measured = {A1: (step, budget + 300), A2: (step, budget + 100), A3: (step, budget + 200)}
+    run = ScriptedChecks(gpt, monkeypatch, [A1, A2, A3, A1], measured, lambda _: budget)
+    assert len(run.planned_for) == 2  # three plans measured in all
+    assert run.applied == [A2, A3, A2] and run.result.assignment == A2
+    assert "no plan measured within the budget" in run.result.notes[-1]
+
+
+def test_a_replan_that_chooses_a_measured_plan_stops(gpt, monkeypatch):
+    prof = gpu_like(gpt[3])
+    p1 = A1.predict(Model(prof, Bandwidth.constant(0.05)))
+    step1 = 1.5 * check.predicted_step_ms(prof, p1)
+    run = ScriptedChecks(gpt, monkeypatch, [A1, A1], {A1: (step1, p1.peak_bytes)}, lambda _: p1.peak_bytes)
+    assert run.applied == [] and run.result.assignment == A1 and run.result.history == []
+    assert run.result.measured.step_ms == step1
 
 
 # ------------------------------------------------------------------ applied plans

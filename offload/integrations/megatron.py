@@ -1028,7 +1028,8 @@ class MegatronOffload:
             plan.notes.extend(auto.notes())
             if auto.check_steps:
                 plan.measured = measure(step, auto.check_steps, CHECK_WARMUP[device.type], cuda)
-                devs = deviations(plan.predicted_step_ms, plan.predicted_peak_bytes, plan.measured) if cuda else []
+                devs = (deviations(plan.predicted_step_ms, plan.predicted_peak_bytes, plan.measured, plan.budget_bytes)
+                        if cuda else [])
                 if devs:
                     plan.notes.append("Not planned again (the Megatron integration plans once, with the same plan on "
                                       "every rank): " + "; ".join(devs) + ".")

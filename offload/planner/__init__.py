@@ -16,8 +16,10 @@ What it does (docs/planner.md):
    on `offload.tools.advisor.Model`'s predictions);
 4. applies it (`apply`): regions run under non-reentrant `torch.utils.checkpoint`, groups are
    offloaded through `offload.configure` and `offload.attach`;
-5. measures a few steps and, on a GPU, plans once more with the measurement's corrections
-   (`check`) when the step or the peak differs from the prediction by more than 5%;
+5. measures a few steps and, on a GPU, plans again with the measurement's corrections
+   (`check`) while the step or the peak differs from the prediction by more than 5% or the peak
+   is over the budget (three plans measured at most), and keeps the fastest measured plan within
+   the budget;
 6. says what it chose and why, in a short table (`Plan.table`).
 
 On the CPU the engine saves no memory and times are host times: the plan is made on the bytes

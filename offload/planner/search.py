@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Collection, Iterable
 
 from ..tools.advisor import Model, Prediction
 from .budget import format_bytes
@@ -92,7 +92,7 @@ def rank(pred: Prediction, budget: int) -> tuple:
     return (1, -pred.freed_at_peak, round(pred.cost_ms, 2), moved)
 
 
-def _best_for(model: Model, checkpoint: tuple[str, ...], offload: Iterable[str], budget: int) -> Prediction:
+def _best_for(model: Model, checkpoint: tuple[str, ...], offload: Iterable[str], key: Callable) -> Prediction:
     """The better of ``max_inflight_groups`` 1 and one group in flight per offloaded group of a layer."""
     offload = tuple(offload)
     one = Assignment(checkpoint, offload).predict(model)
@@ -100,45 +100,54 @@ def _best_for(model: Model, checkpoint: tuple[str, ...], offload: Iterable[str],
     if per_layer <= 1:
         return one
     more = Assignment(checkpoint, offload, per_layer).predict(model)
-    return min(one, more, key=lambda p: rank(p, budget))
+    return min(one, more, key=key)
 
 
-def _local_search(model: Model, checkpoint: tuple[str, ...], options: list[str], budget: int) -> Prediction:
+def _local_search(model: Model, checkpoint: tuple[str, ...], options: list[str], key: Callable) -> Prediction:
     best = None
     for start in (set(), set(options)):
         current = start
-        here = _best_for(model, checkpoint, [u for u in options if u in current], budget)
+        here = _best_for(model, checkpoint, [u for u in options if u in current], key)
         while True:
-            moves = [(_best_for(model, checkpoint, [u for u in options if u in current ^ {x}], budget), x)
+            moves = [(_best_for(model, checkpoint, [u for u in options if u in current ^ {x}], key), x)
                      for x in options]
-            p, x = min(moves, key=lambda m: rank(m[0], budget))
-            if rank(p, budget) >= rank(here, budget):
+            p, x = min(moves, key=lambda m: key(m[0]))
+            if key(p) >= key(here):
                 break
             here, current = p, current ^ {x}
-        if best is None or rank(here, budget) < rank(best, budget):
+        if best is None or key(here) < key(best):
             best = here
     return best
 
 
-def choose(model: Model, budget: int) -> tuple[Assignment, Prediction]:
-    """The best assignment for ``budget`` bytes of peak (module docstring) and its prediction."""
+def _assignment(pred: Prediction) -> Assignment:
+    return Assignment(tuple(pred.checkpoint), tuple(pred.offload), pred.max_inflight_groups)
+
+
+def choose(model: Model, budget: int, exclude: Collection[Assignment] = ()) -> tuple[Assignment, Prediction]:
+    """The best assignment for ``budget`` bytes of peak (module docstring) and its prediction;
+    assignments in ``exclude`` (plans measured already) rank after every other."""
     if model.profile.get("peak_allocated") is None:
         raise ValueError("a memory budget needs a profile with a peak (measured, or estimated on CPU)")
+
+    def key(p: Prediction) -> tuple:
+        return (bool(exclude) and _assignment(p) in exclude, *rank(p, budget))
+
     sets = checkpoint_sets(model, checkpoint_candidates(model))
     total = sum(2 ** len(units(model, c)) for c in sets)
     best: Prediction | None = None
     for chain in sets:
         options = units(model, chain)
         if total <= EXHAUSTIVE_MAX:
-            preds = (_best_for(model, chain, [u for u, on in zip(options, mask) if on], budget)
+            preds = (_best_for(model, chain, [u for u, on in zip(options, mask) if on], key)
                      for mask in itertools.product((False, True), repeat=len(options)))
-            here = min(preds, key=lambda p: rank(p, budget))
+            here = min(preds, key=key)
         else:
-            here = _local_search(model, chain, options, budget)
-        if best is None or rank(here, budget) < rank(best, budget):
+            here = _local_search(model, chain, options, key)
+        if best is None or key(here) < key(best):
             best = here
     assert best is not None
-    return Assignment(tuple(best.checkpoint), tuple(best.offload), best.max_inflight_groups), best
+    return _assignment(best), best
 
 
 def explain(model: Model, assignment: Assignment, pred: Prediction) -> list[dict[str, Any]]:
