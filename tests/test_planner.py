@@ -151,10 +151,17 @@ def test_checkpoint_arithmetic_on_a_known_profile():
     # the layer: t and o of layers 0 and 1 are recomputed; x is the layer's input, still saved
     layer = m.predict(checkpoint=["L"])
     assert layer.recomputed_bytes == 2 * 6_000_000 and layer.peak_bytes == 88_000_000
-    assert layer.recompute_ms == pytest.approx(9.0) and layer.offloaded_bytes == 0
-    # ... and its inputs offloaded: x of layers 0 and 1 (the last is kept), L owns them
+    # recompute stops at the layer's last save, b's input t, which autograd saves before b's
+    # op runs: a is run again (1 ms a layer), b is not; a or b alone saves only its input
+    assert layer.recompute_ms == pytest.approx(3.0) and layer.offloaded_bytes == 0
+    assert m.predict(checkpoint=["a"]).recompute_ms == 0 and m.predict(checkpoint=["b"]).recompute_ms == 0
+    # ... and its inputs offloaded: x of layers 0 and 1 (the last is kept), L owns them; both
+    # are held at the flush (L:2's close, the forward's end) and nothing comes after it
     free = m.predict(checkpoint=["L"], offload=["L"])
     assert free.offloaded_by_name == {"L": 2_000_000} and free.bytes_per_group == {"L": 1_000_000}
+    assert free.inflight_bytes == 2_000_000 and free.freed_at_peak == 12_000_000
+    buffered = Model({**layer_profile(), "forward_end_allocated": 99_000_000}, Bandwidth.constant(1.0))
+    free = buffered.predict(checkpoint=["L"], offload=["L"])  # 1 MB of backward buffers absorb one
     assert free.inflight_bytes == 1_000_000 and free.freed_at_peak == 13_000_000
     # offloading a without checkpoint moves x; with b it moves t too
     assert m.predict(offload=["a"]).offloaded_by_name == {"a": 2_000_000}
@@ -229,7 +236,7 @@ def test_model_equals_the_engine_and_what_the_checkpointed_step_saves(gpt, confi
     where = {**{n: matching(model, p) for n, p in GPT_MAPPING.items()}, **containers}
     undo = checkpoint_modules(model, [qn for r in checkpointed for qn in where[r]])
     try:
-        saved = record_saved(Workload(model, GPT_MAPPING, step, torch.device("cpu")), 0)
+        saved, _ = record_saved(Workload(model, GPT_MAPPING, step, torch.device("cpu")), 0)
     finally:
         undo()
     rows, _, _ = m._checkpoint_rows(frozenset(checkpointed)) if checkpointed else (
@@ -243,8 +250,11 @@ FWD_MS = {"attn_norm": .1, "qkv_linear": .6, "core_attn": 1.0, "attn_proj": .2, 
 
 def gpu_like(prof: dict) -> dict:
     """The tiny stack's profile with the times of a large one: a layer's forward 3.7 ms, its
-    backward twice that, attention and the MLP's matmuls the heavy modules."""
+    backward twice that, attention and the MLP's matmuls the heavy modules; and, as a GPU
+    profile has, the backward's first buffers: the MLP's two input gradients (twice its largest
+    saved tensor) beyond the forward's end."""
     prof = copy.deepcopy(prof)
+    prof["forward_end_allocated"] = prof["peak_allocated"] - 2 * max(s["bytes"] for s in prof["storages"])
     for name, t in prof["modules"].items():
         t["fwd_ms"] = [FWD_MS[name]] * len(t["fwd_ms"])
         t["bwd_ms"] = [2 * FWD_MS[name]] * len(t["bwd_ms"])

@@ -120,32 +120,41 @@ def test_offloaded_bytes_follow_the_engine_rules():
     p = m.predict(offload=["a"])
     # a:0 and a:1 (a:2 is the last, kept); the storage shared with b stays
     assert p.offloaded_by_name == {"a": 8_000_000}
-    assert p.inflight_bytes == 4_000_000  # a:1, launched when a:2 closed
-    assert p.freed_at_peak == 4_000_000 and p.peak_bytes == 96_000_000
     # Forward, module times scaled by 6/4.8 = 1.25: a 1.25, b 0.125, c 0.625 ms; a layer 2 ms.
-    # a:0 is launched when a:1 closes (3.25 ms) and copies 4 MB at 1 GB/s until 7.25; a:1 is
-    # launched when a:2 closes (5.25): the compute stream waits for a:0 there (2 ms), a:1's copy
-    # queues behind it (7.25 to 11.25). Forward ends at 8.0; backward runs c:2 and b:2 (1.5 ms,
-    # scaled by 12/9.6) before a:2's first unpack, where it waits for a:1 (9.5 to 11.25).
-    assert p.forward_wait_ms == pytest.approx(2.0 + 1.75) and p.forward_wait_by_name == {"a": pytest.approx(3.75)}
+    # a:0 is decided when a:1 closes (3.25) and issued at a:2's open (4.0); issued early, it
+    # starts when a:0 closed (1.25) and ends at 5.25. a:2's close (5.25) is the flush: a:1 is
+    # issued there (5.25 to 9.25) and waited for (4 ms). Held then: a:0 and a:1, 8 MB; the
+    # rest of the forward saves only c:2's 0.1 MB and the profile has no backward buffers, so
+    # 7.9 MB of them count at the peak.
+    assert p.forward_wait_ms == pytest.approx(4.0) and p.forward_wait_by_name == {"a": pytest.approx(4.0)}
+    assert p.inflight_bytes == 7_900_000
+    assert p.freed_at_peak == 100_000 and p.peak_bytes == 99_900_000
     # reloads: h2d 4 ms per layer against a 4 ms backward: nothing exposed; 2 layers
-    assert p.backward_exposed_ms == 0 and p.exposed_ms == pytest.approx(3.75)
+    assert p.backward_exposed_ms == 0 and p.exposed_ms == pytest.approx(4.0)
     assert p.slowdown_ms == pytest.approx(2 * 0.1 * (2 + 4))
-    assert p.cost_pct == pytest.approx(100 * 4.95 / 20)
+    assert p.cost_pct == pytest.approx(100 * 5.2 / 20)
+    # with 8 MB of buffers in the backward's first steps (the peak 8 MB over the forward's
+    # end), what the flush frees never reaches the peak: all of a's bytes are gone
+    buffered = synthetic_profile()
+    buffered["forward_end_allocated"] = buffered["peak_allocated"] - 8_000_000
+    free = Model(buffered, Bandwidth.constant(1.0, compute_slowdown=0.1)).predict(offload=["a"])
+    assert free.inflight_bytes == 0 and free.freed_at_peak == 8_000_000 and free.cost_ms == pytest.approx(5.2)
     both = m.predict(offload=["a", "b"])
     assert both.offloaded_by_name == {"a": 8_000_000, "b": 2_000_000}  # shared storages owned by b
-    assert both.inflight_bytes == 1_000_000 and both.freed_at_peak == 9_000_000
-    # one copy stream: b's copies queue behind a's, and with max_inflight_groups=1 each launch
-    # waits for the copy before it: a:0 at b:1's close (3.25 + 0.125 -> 7.25), a:1 at b:2's
-    # close (9.25 -> 13.125); b's own copies end before anything waits for them
-    assert both.forward_wait_by_name == {"a": pytest.approx(7.75)}
-    assert both.backward_exposed_ms == pytest.approx(2 * (5 - 4)) and both.cost_ms == pytest.approx(10.95)
-    # two groups in flight: each copy may run until the launch two copies later, and two
-    # groups (a:1 and b:1, 5 MB) are still held at the peak
+    # one copy stream, in issue order: a:0 (issued at b:1's open, 1.25 to 5.25), b:0 (at a:2's
+    # open, queued behind it: 5.25 to 6.25); with max_inflight_groups=1, issuing b:0 waits for
+    # a:0 (4.0 to 5.25). The flush at a:2's close (6.5) issues a:1 (6.25 to 10.25) and waits for
+    # it (3.75); the one at b:2's close (10.375) issues b:1 (10.25 to 11.25) and waits 0.875.
+    # Held at the first flush: b:0 and a:1, 5 MB, less c:2's 0.1 MB.
+    assert both.forward_wait_by_name == {"a": pytest.approx(1.25 + 3.75), "b": pytest.approx(0.875)}
+    assert both.inflight_bytes == 4_900_000 and both.freed_at_peak == 5_100_000
+    assert both.backward_exposed_ms == pytest.approx(2 * (5 - 4)) and both.cost_ms == pytest.approx(9.075)
+    # two groups in flight: issuing b:0 waits for nothing; the first flush then holds a:0 as
+    # well (9 MB) and waits for b:0 (1.0) and a:1 (4.0)
     two = m.predict(offload=["a", "b"], max_inflight_groups=2)
-    assert two.inflight_bytes == 5_000_000 and two.freed_at_peak == 5_000_000
-    assert two.forward_wait_by_name == {"a": pytest.approx(2.0 + 2.125), "b": pytest.approx(0.875 + 1.0)}
-    assert two.cost_ms == pytest.approx(9.2)
+    assert two.inflight_bytes == 8_900_000 and two.freed_at_peak == 1_100_000
+    assert two.forward_wait_by_name == {"a": pytest.approx(4.0), "b": pytest.approx(1.0 + 0.875)}
+    assert two.cost_ms == pytest.approx(9.075)
     rec = m.predict(recompute=["b"])
     assert rec.recomputed_bytes == 750_000 and rec.recompute_ms == pytest.approx(0.3)
     assert m.predict(offload=["b"]).offloaded_bytes == 0
@@ -155,23 +164,35 @@ def test_offloaded_bytes_follow_the_engine_rules():
         m.predict(offload=["a"], recompute=["a"])
 
 
+def buffered_profile() -> dict:
+    """`synthetic_profile` with 8 MB of backward buffers: its peak 8 MB over the forward's end."""
+    prof = synthetic_profile()
+    prof["forward_end_allocated"] = prof["peak_allocated"] - 8_000_000
+    return prof
+
+
 def test_verdicts_and_budget_search():
-    m = Model(synthetic_profile(), Bandwidth.constant(1.0, compute_slowdown=0.1))
+    m = Model(buffered_profile(), Bandwidth.constant(1.0, compute_slowdown=0.1))
     verdicts = {n: classify(m, n, 0.7)["verdict"] for n in m.names}
     assert verdicts == {"a": "recompute", "b": "nothing", "c": "free"}
     best, fits = search(m, 95_000_000, allow_recompute=True)
     assert fits and best.recompute == ["a"] and best.offload == [] and best.cost_ms == pytest.approx(3.0)
-    # offloading only: a and c (c's group is the one in flight at the peak, so all of a's
-    # bytes are gone: 8.1 MB freed, 8.0 ms); a and b would free 9 MB but cost 10.95 ms
+    # offloading only: a alone frees its 8 MB (nothing in flight reaches the peak) for 5.2 ms;
+    # a and c free 8.2 MB for 5.5 ms, a and b 10 MB for 9.075 ms
     best, fits = search(m, 95_000_000, allow_recompute=False)
-    assert fits and best.offload == ["a", "c"] and best.cost_ms == pytest.approx(8.0)
-    assert best.freed_at_peak == 8_100_000
+    assert fits and best.offload == ["a"] and best.cost_ms == pytest.approx(5.2)
+    assert best.freed_at_peak == 8_000_000
     best, fits = search(m, 50_000_000, allow_recompute=False)
     assert not fits and best.offload == ["a", "b", "c"]  # the most memory it can free
-    out = advise(synthetic_profile(), Bandwidth.constant(1.0, 0.1), budget=95_000_000)
+    out = advise(buffered_profile(), Bandwidth.constant(1.0, 0.1), budget=95_000_000)
     assert out["free"] == ["c"] and out["free_flags"] == "--offload-modules=c"
     assert out["budget"]["flags"] == "--recompute-modules=a"
-    assert out["budget_offload_only"]["flags"] == "--offload-modules=a,c"
+    assert out["budget_offload_only"]["flags"] == "--offload-modules=a"
+    # without backward buffers the peak is the first flush, where a's groups are in flight:
+    # offloading frees almost nothing there, and c nothing at all
+    bare = Model(synthetic_profile(), Bandwidth.constant(1.0, compute_slowdown=0.1))
+    assert bare.predict(offload=["a"]).freed_at_peak == 100_000
+    assert advise(synthetic_profile(), Bandwidth.constant(1.0, 0.1), budget=95_000_000)["free"] == []
     with pytest.raises(ValueError, match="headroom"):
         advise(synthetic_profile(), Bandwidth.constant(1.0), headroom=0)
 
@@ -190,25 +211,25 @@ def two_close_names_profile() -> dict:
             "storages": st}
 
 
-def test_free_set_is_free_together_and_may_need_more_groups_in_flight():
+def test_free_set_is_free_together_and_keeps_one_group_in_flight():
     m = Model(two_close_names_profile(), Bandwidth.constant(1.0))
-    # x and y alone are free; together, with max_inflight_groups=1, y's launch 0.1 ms after
-    # x's waits for x's 0.5 ms copy: 0.4 ms per layer, 3 layers (the copy launched last has z's
-    # 1.8 ms forward and 2.6 ms backward before anything waits for it)
+    # x and y, 0.1 ms apart, 0.5 ms of copies each in a 2 ms layer. Their copies start when
+    # their groups close and are issued a layer later (x:i at y:i+1's open, y:i at x:i+2's):
+    # with max_inflight_groups=1 the copy waited for at each issue ended long before. Free.
     one = m.predict(offload=["x", "y"])
-    assert m.copy_fraction(one) == pytest.approx(0.5) and one.forward_wait_ms == pytest.approx(3 * 0.4)
-    assert one.cost_pct > 2
-    # with one group in flight per name each copy has a layer: free, holding 2 groups at the peak
+    assert m.copy_fraction(one) == pytest.approx(0.5) and one.forward_wait_ms == 0 and one.cost_ms == 0
+    # two groups in flight buy no time and hold one more group at the first flush
     two = m.predict(offload=["x", "y"], max_inflight_groups=2)
-    assert two.cost_ms == pytest.approx(0) and two.inflight_bytes == 1_000_000
+    assert two.cost_ms == 0 and two.inflight_bytes == one.inflight_bytes + 500_000
     out = advise(two_close_names_profile(), Bandwidth.constant(1.0))
     assert [r["verdict"] for r in out["modules"]] == ["free", "free", "nothing"]
-    assert out["free"] == ["x", "y"] and out["free_max_inflight_groups"] == 2
-    assert out["free_flags"] == "--offload-modules=x,y --offload-max-inflight-groups=2"
-    assert out["free_prediction"]["cost_pct"] <= 2 and out["free_prediction"]["freed_at_peak"] == 2_000_000
+    assert out["free"] == ["x", "y"] and out["free_max_inflight_groups"] == 1
+    assert out["free_flags"] == "--offload-modules=x,y"
+    assert out["free_prediction"]["cost_pct"] <= 2 and out["free_prediction"]["freed_at_peak"] == 2_500_000
     from offload.tools.advise import render
 
-    assert "max_inflight_groups=2" in render(out)
+    assert "max_inflight_groups" not in render(out)
+    assert "max_inflight_groups=2" in render({**out, "free_max_inflight_groups": 2})
     # a slower link: 0.8 ms each, 1.6 ms of a 2 ms layer is over the 70% headroom: only one of them
     slow = advise(two_close_names_profile(), Bandwidth.constant(0.5 / 0.8))
     assert slow["free"] == ["x"] and slow["free_max_inflight_groups"] == 1
@@ -238,9 +259,12 @@ def test_h100_derived_fixture_reproduces_that_run():
         assert m.predict(offload=[n]).offloaded_bytes == H100_OFFLOADED[n], n
         assert m.predict(recompute=[n]).recomputed_bytes == H100_RECOMPUTED[n], n
     p = m.predict(offload=H100_OLD_FREE)
-    # the run's advice: 1.47 GiB freed at the peak, 4.49 ms of copies per 2.83 ms layer (its
-    # bandwidth JSON; the fixture's GB/s are rounded to 0.1)
-    assert p.freed_at_peak == 1577058304 and p.peak_bytes == 11315364352 - 1577058304
+    # the run's advice: 4.49 ms of copies per 2.83 ms layer (its bandwidth JSON; the fixture's
+    # GB/s are rounded to 0.1). It counted the last group launched (32 MiB) at the peak; the
+    # groups held at the first flush now count only if they outweigh the rest of the forward:
+    # all 1.5 GiB are freed
+    assert p.offloaded_bytes == 1610612736 and p.inflight_bytes == 0
+    assert p.freed_at_peak == 1610612736 and p.peak_bytes == 11315364352 - 1610612736
     assert p.d2h_ms_per_layer == pytest.approx(4.4895, rel=2e-3)
     assert m.fwd_window == pytest.approx(2.8334, rel=1e-4)
 

@@ -8,9 +8,12 @@ The model, on the profile's saved storages (`offload.tools.profile_modules`):
   (a module that is not offloaded still holds it otherwise); it belongs to the last instance
   that saved it, and the last instance of each name is kept (its backward comes right after
   its forward).
-* **At the peak** (the end of forward) the groups whose copies were launched last may still be
-  in flight: with ``max_inflight_groups=m``, the last ``m`` launched, so their bytes still count
-  (an upper bound: a copy that is already done when the engine polls is released earlier).
+* **At the peak** the groups the engine still holds in flight at a flush (the close of the
+  last instance of an offloaded name, where the compute stream waits for every copy) count by
+  what they outweigh of what comes after that point: the bytes the rest of the forward saves
+  and the backward's first buffers (the profile's peak less the memory allocated at the
+  forward's end); the largest such excess over the flushes. The host is taken to be ahead of
+  the GPU, so no copy is released before the engine waits for it.
 * **Recomputed bytes**: recomputing a name drops the storages created inside its instances
   (outputs and internals) that anything saved, for every instance but the last one (whose
   recompute runs at the start of backward). Its inputs stay. A storage both recomputed and
@@ -25,19 +28,18 @@ The model, on the profile's saved storages (`offload.tools.profile_modules`):
   saves stays, so checkpointing a module alone frees only what nothing outside it saves. The
   inputs a checkpointed region keeps can be offloaded too (it is then a group of its own: the
   "memory-free" layer). Recompute costs the forward time of the named modules inside, once
-  more, and lengthens the backward that hides the reloads.
+  more, up to the region's last save: non-reentrant checkpointing stops recomputing there (the
+  second matmul of an MLP, which saves only its input, is not run again). It lengthens the
+  backward that hides the reloads.
 * **Forward time**: the engine's own schedule, simulated on the profile's forward (each module
-  instance's measured forward time, scaled so that a layer takes the measured layer forward).
-  All offloaded names share one device-to-host stream, so copies run one after another. The
-  copy of group ``(name, i)`` is launched when ``(name, i+1)`` closes; it starts then, or when
-  the copy before it ends (the host keeping pace with the GPU: the worst case; a host far
-  ahead lets a copy start as soon as its group closes). With ``max_inflight_groups=m`` the
-  compute stream waits, at the launch of the copy ``k+m`` (in launch order), for the copy ``k``
-  to end; at the first backward use of an offloaded name in the last layer it waits for every
-  copy still in flight. Those waits are the forward's exposed time (``forward_wait_ms``). So
-  with several names per layer and ``m=1``, a large copy has only the compute up to the next
-  launch to hide behind, not a whole layer; ``m`` = names per layer gives each copy about a
-  layer, and then only the sum of a layer's copies against a layer's forward matters.
+  instance's measured forward time, scaled so that a layer takes the measured layer forward),
+  with the host ahead of the GPU (a GPU-bound step). A group is known to be offloaded when the
+  next group of its name closes, and its copy is issued at the next group open (Note [7] of
+  `offload.copy_queue`); issued early by the host, it starts on the GPU as soon as its group
+  closed, after the copies issued before it (one device-to-host stream). At an issue, with
+  ``max_inflight_groups=m``, the compute stream waits for the copy ``m`` issues back; at the close
+  of the last instance of an offloaded name (the engine's flush) it waits for every copy. Those
+  waits are the forward's exposed time (``forward_wait_ms``).
 * **Backward time**: the reloads of one layer run one after another behind that layer's
   backward; what exceeds it is exposed (``backward_exposed_ms``).
 * **Slowdown**: copies that overlap compute slow it by the probe's ``compute_slowdown``.
@@ -161,15 +163,27 @@ class Model:
         self.position = {x: k for k, x in enumerate(self.close_order)}
         self.storages = [self._parse(s) for s in profile["storages"]]
         self.segments = self._segments("fwd_ms", profile["forward_ms"])
-        self.bwd_segments = self._segments("bwd_ms", profile["backward_ms"])
         self.facts = CheckpointFacts.from_json(profile["regions"]) if profile.get("regions") else None
         self.containers: dict[str, list[str]] = dict(self.facts.members) if self.facts else {}
         self._close_at = dict(self.position)  # a container instance closes with its last named module
+        self._open_at = dict(self.position)  # ... and opens with its first (a segment's start)
         for inst, around in (self.facts.within.items() if self.facts else ()):
             for c in around:
                 if inst in self.position:
                     self._close_at[c] = max(self._close_at.get(c, -1), self.position[inst])
+                    self._open_at[c] = min(self._open_at.get(c, len(self.close_order)), self.position[inst])
+        self._saves_any: set[Label] = set()  # instances that save anything, and those that save
+        self._saves_own: set[Label] = set()  # something they created (not only their inputs)
+        for _, _, savers, created in self.storages:
+            for s in savers:
+                if s is not None:
+                    self._saves_any.add(s)
+                    if s == created:
+                        self._saves_own.add(s)
         self._checkpointed_rows: dict[frozenset[str], tuple[list[Row], int, float]] = {}
+        end, peak = profile.get("forward_end_allocated"), profile.get("peak_allocated")
+        self.backward_buffers = max(0, peak - end) if end is not None and peak is not None else 0
+        """What the step's peak holds beyond the forward's end (the backward's first buffers)."""
 
     def _segments(self, key: str, total: float) -> list[float]:
         """Compute time from the close of the previous instance to the close of each instance in
@@ -213,49 +227,69 @@ class Model:
         """The forward time of every instance of ``name``: what recomputing it costs per step."""
         return sum(v for v in self.profile["modules"][name]["fwd_ms"] if v is not None)
 
-    def launch_order(self, by_group: dict[tuple[str, int], int]) -> list[tuple[int, tuple[str, int]]]:
-        """``(position in close_order at which the copy is launched, group)``, in launch order:
-        a group's copy is launched when the next instance of its name closes."""
-        out = [(self._close_at.get((n, i + 1), len(self.close_order)), (n, i)) for (n, i) in by_group]
-        return sorted(out)
+    def _instances(self, unit: str) -> int:
+        return self.instances[unit] if unit in self.instances else self.facts.instances[unit]
 
-    def forward_waits(self, by_group: dict[tuple[str, int], int], inflight: int,
-                      offloaded_names: Iterable[str]) -> dict[str, float]:
-        """The compute stream's waits for device-to-host copies in one forward (and at the start
-        of backward), in ms per name of the group waited for; the engine's schedule (module
-        docstring), with copies starting at their launch."""
+    def forward_schedule(self, by_group: dict[Label, int], units: Iterable[str],
+                         inflight: int) -> tuple[dict[str, float], list[tuple[int, int]]]:
+        """The engine's forward schedule for the groups of ``units`` (module docstring): the
+        compute stream's waits for device-to-host copies, in ms per name of the group waited
+        for; and for each flush, the bytes held in flight just before it and its position in
+        ``close_order``."""
         waits: dict[str, float] = {}
-        if not by_group:
-            return waits
-        launches: dict[int, list[tuple[str, int]]] = {}
-        for pos, g in self.launch_order(by_group):
-            launches.setdefault(pos, []).append(g)
+        opens: dict[int, list[Label]] = {}
+        closes: dict[int, list[Label]] = {}
+        for unit in units:
+            for i in range(self._instances(unit)):
+                if (unit, i) in self._close_at:
+                    opens.setdefault(self._open_at[(unit, i)], []).append((unit, i))
+                    closes.setdefault(self._close_at[(unit, i)], []).append((unit, i))
         t = 0.0  # the compute stream's clock, waits included
         d2h_free = 0.0
-        pending: deque[tuple[float, str]] = deque()  # (copy end, name), launch order
+        ready: dict[Label, float] = {}
+        deferred: list[Label] = []
+        pending: deque[tuple[float, Label]] = deque()  # (copy end, group), issue order
+        flushes: list[tuple[int, int]] = []
 
-        def wait_for(end: float, name: str) -> None:
+        def wait_for(end: float, group: Label) -> None:
             nonlocal t
             if end > t:
-                waits[name] = waits.get(name, 0.0) + end - t
+                waits[group[0]] = waits.get(group[0], 0.0) + end - t
                 t = end
 
+        def issue() -> None:
+            nonlocal d2h_free
+            for g in deferred:
+                d2h_free = max(ready[g], d2h_free) + self.bw.copy_ms("d2h", by_group[g])
+                pending.append((d2h_free, g))
+            deferred.clear()
+
         for k, seg in enumerate(self.segments):
-            t += seg
-            for (n, i) in launches.get(k, ()):
-                start = max(t, d2h_free)
-                d2h_free = start + self.bw.copy_ms("d2h", by_group[(n, i)])
-                pending.append((d2h_free, n))
+            if k in opens:  # a group opens: the deferred copies are issued, then the bound applies
+                issue()
                 while len(pending) > inflight:
                     wait_for(*pending.popleft())
-        # backward begins with the last layer: the engine waits for every copy in flight at the
-        # first unpack of a group of an offloaded name (the latest to close of them)
-        names = set(offloaded_names)
-        last = max((p for p, (n, _) in enumerate(self.close_order) if n in names), default=len(self.close_order) - 1)
-        t += sum(self.bwd_segments[last + 1:])
-        for end, n in pending:
-            wait_for(end, n)
-        return waits
+            t += seg
+            for unit, i in closes.get(k, ()):
+                ready[(unit, i)] = t
+                if (unit, i - 1) in by_group:
+                    deferred.append((unit, i - 1))
+                if self.is_last(unit, i):  # the forward's end for this name: a flush
+                    flushes.append((sum(by_group[g] for _, g in pending) + sum(by_group[g] for g in deferred), k))
+                    issue()
+                    while pending:
+                        wait_for(*pending.popleft())
+        return waits, flushes
+
+    def _saved_after(self, rows: list[Row], position: int) -> int:
+        """The bytes of ``rows`` first saved after the instance at ``position`` in ``close_order``
+        closed: memory that the forward adds after that point."""
+        out = 0
+        for nbytes, _, savers in rows:
+            at = [self._close_at.get(s, -1) for s in savers if s is not None]
+            if at and min(at) > position:
+                out += nbytes
+        return out
 
     def _recomputed_rows(self, rec: set[str]) -> tuple[list[Row], int, float]:
         """The storages under output-discarding recompute of the names ``rec``: those created
@@ -315,12 +349,31 @@ class Model:
             elif dropped and not any(self.is_last(*c) for c in dropped):
                 freed += nbytes
         ms = 0.0
-        for n, i in self.close_order:
-            if checkpointed((n, i)) is not None:
-                v = self.profile["modules"][n]["fwd_ms"]
-                ms += float(v[i]) if i < len(v) and v[i] is not None else 0.0
+        inside: dict[Label, list[Label]] = {}  # checkpointed instance -> its named instances, in order
+        for inst in self.close_order:
+            c = checkpointed(inst)
+            if c is not None:
+                inside.setdefault(c, []).append(inst)
+        for members in inside.values():
+            ms += self._recompute_until_last_save(members)
         self._checkpointed_rows[regions] = result = (rows, freed, ms)
         return result
+
+    def _recompute_until_last_save(self, members: list[Label]) -> float:
+        """What recomputing one checkpointed instance costs: non-reentrant checkpointing stops
+        the recompute at the last tensor the region saved (early stop), so the modules after the
+        last one that saves cost nothing, and that one costs nothing when it saves only its
+        inputs, which autograd saves before the op runs (the second matmul of an MLP)."""
+        saving = [k for k, inst in enumerate(members) if inst in self._saves_any]
+        if not saving:
+            return 0.0
+        last = saving[-1]
+        run = members[:last + 1] if members[last] in self._saves_own else members[:last]
+        ms = 0.0
+        for n, i in run:
+            v = self.profile["modules"][n]["fwd_ms"]
+            ms += float(v[i]) if i < len(v) and v[i] is not None else 0.0
+        return ms
 
     def _check_assignment(self, offload: list[str], recompute: list[str], checkpoint: list[str],
                           max_inflight_groups: int) -> None:
@@ -377,9 +430,13 @@ class Model:
         pred.offloaded_bytes = sum(by_group.values())
         for (n, _), b in by_group.items():
             pred.offloaded_by_name[n] = pred.offloaded_by_name.get(n, 0) + b
-        # the groups whose copies were launched last (when the next instance of their name closed)
-        launched = self.launch_order(by_group)
-        pred.inflight_bytes = sum(by_group[g] for _, g in launched[-max_inflight_groups:])
+        waits, flushes = self.forward_schedule(by_group, off, max_inflight_groups)
+        pred.forward_wait_by_name = waits
+        pred.forward_wait_ms = sum(waits.values())
+        # what a flush frees counts at the peak only by what it holds beyond what comes after it
+        # (the rest of the forward, the backward's first buffers)
+        pred.inflight_bytes = max([0] + [held - self._saved_after(rows, at) - self.backward_buffers
+                                         for held, at in flushes])
         pred.freed_at_peak = pred.offloaded_bytes - pred.inflight_bytes + pred.recomputed_bytes
         peak = self.profile.get("peak_allocated")
         pred.peak_bytes = None if peak is None else peak - pred.freed_at_peak
@@ -394,9 +451,6 @@ class Model:
         # a checkpointed region recomputes in backward: more compute for the reloads to hide behind
         wb = self.bwd_window + (pred.recompute_ms / self.layers if checkpoint else 0.0)
         d, h, wf = pred.d2h_ms_per_layer, pred.h2d_ms_per_layer, self.fwd_window
-        members = {n for x in off for n in self.members(x)}
-        pred.forward_wait_by_name = self.forward_waits(by_group, max_inflight_groups, members)
-        pred.forward_wait_ms = sum(pred.forward_wait_by_name.values())
         pred.backward_exposed_ms = layers * max(0.0, h - wb)
         pred.exposed_ms = pred.forward_wait_ms + pred.backward_exposed_ms
         pred.slowdown_ms = layers * self.bw.compute_slowdown * (min(d, wf) + min(h, wb))

@@ -6,8 +6,8 @@
 Runs the workload without offloading and records, in three passes after a warm-up:
 
 * the step: median time over ``--steps`` steps (GPU synchronized before each), the memory
-  peak (``max_memory_allocated``, parameter gradients already allocated) and the memory
-  allocated before the step;
+  peak (``max_memory_allocated``, parameter gradients already allocated), the memory
+  allocated before the step and (in the saved-tensor pass) when the model's forward returned;
 * time: forward and backward of every instance of every named module, and of the whole
   model, with CUDA events at the module boundaries (`boundaries.Boundaries`);
 * saved tensors: every tensor autograd saves, by storage: its bytes (as the engine would
@@ -144,8 +144,9 @@ def measure_times(work: Workload, steps: int) -> tuple[dict[str, dict[str, list]
     return per, whole, close_order
 
 
-def record_saved(work: Workload, min_tensor_bytes: int) -> list[dict[str, Any]]:
-    """Every storage autograd saves in one step: bytes, engine eligibility, savers, creator."""
+def record_saved(work: Workload, min_tensor_bytes: int) -> tuple[list[dict[str, Any]], int | None]:
+    """Every storage autograd saves in one step: bytes, engine eligibility, savers, creator; and
+    the memory allocated when the model's forward returned (CUDA; ``None`` on CPU)."""
     policy = TensorPolicy(lambda t: t.device.type == work.device.type, min_tensor_bytes)
     policy.block_parameters(work.model.parameters())
     stack: list[str] = []
@@ -154,7 +155,11 @@ def record_saved(work: Workload, min_tensor_bytes: int) -> list[dict[str, Any]]:
     storages: dict[int, dict[str, Any]] = {}
     keep_alive: list[torch.Tensor] = []  # no address is reused within the step
 
+    forward_end: list[int] = []
+
     def on_boundary(name: str, i: int, phase: str, edge: str) -> None:
+        if not name and phase == "fwd" and edge == "end" and work.device.type == "cuda":
+            forward_end.append(torch.cuda.memory_allocated(work.device))
         if name and phase == "fwd":
             if edge == "begin":
                 stack.append(label(name, i))
@@ -206,7 +211,7 @@ def record_saved(work: Workload, min_tensor_bytes: int) -> list[dict[str, Any]]:
     for key, rec in storages.items():
         rec["created_in"] = created.get(key)
         out.append(rec)
-    return out
+    return out, (forward_end[-1] if forward_end else None)
 
 
 def profile(work: Workload, spec: dict[str, Any], steps: int, warmup: int, time_steps: int,
@@ -216,14 +221,14 @@ def profile(work: Workload, spec: dict[str, Any], steps: int, warmup: int, time_
         work.step()
     step = measure_step(work, steps)
     modules, whole, close_order = measure_times(work, time_steps)
-    saved = record_saved(work, min_tensor_bytes)
+    saved, forward_end = record_saved(work, min_tensor_bytes)
     names = [n for n in dict.fromkeys(n for n, _ in close_order)]
     return {
         "tool": "profile_modules", "workload": spec, "description": work.description,
         "device": describe_device(work.device), "torch": torch.__version__,
         "min_tensor_bytes": min_tensor_bytes, "steps": steps, "warmup": warmup, "time_steps": time_steps,
         # without an input that requires grad, the model's backward has no end marker: the rest of the step
-        **step, "forward_ms": whole.get("fwd"),
+        **step, "forward_end_allocated": forward_end, "forward_ms": whole.get("fwd"),
         "backward_ms": whole.get("bwd", step["step_ms"] - whole["fwd"] if "fwd" in whole else None),
         "names": names, "close_order": close_order, "modules": modules, "storages": saved,
     }
