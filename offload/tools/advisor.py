@@ -181,24 +181,26 @@ class Model:
                     if s == created:
                         self._saves_own.add(s)
         self._checkpointed_rows: dict[frozenset[str], tuple[list[Row], int, float]] = {}
+        # what the step's peak holds beyond the forward's end: the backward's first buffers
         end, peak = profile.get("forward_end_allocated"), profile.get("peak_allocated")
         self.backward_buffers = max(0, peak - end) if end is not None and peak is not None else 0
-        """What the step's peak holds beyond the forward's end (the backward's first buffers)."""
 
     def _segments(self, key: str, total: float) -> list[float]:
         """Compute time from the close of the previous instance to the close of each instance in
         ``close_order``: the instance's own measured time, all of them scaled so that they add up
         to the whole model's measured ``total`` (the compute between modules, spread over them)."""
-        own = []
-        for n, i in self.close_order:
-            v = self.profile["modules"].get(n, {}).get(key, [])
-            own.append(float(v[i]) if i < len(v) and v[i] is not None else 0.0)
+        own = [self._module_ms(n, i, key) for n, i in self.close_order]
         s = sum(own)
         if not own:
             return []
         if s <= 0:
             return [total / len(own)] * len(own)
         return [x * total / s for x in own]
+
+    def _module_ms(self, name: str, i: int, key: str = "fwd_ms") -> float:
+        """Instance ``i`` of ``name``'s measured time (0 where the profile has none)."""
+        v = self.profile["modules"].get(name, {}).get(key, [])
+        return float(v[i]) if i < len(v) and v[i] is not None else 0.0
 
     @staticmethod
     def _parse(s: dict[str, Any]) -> tuple[int, bool, list[tuple[str, int] | None], tuple[str, int] | None]:
@@ -208,8 +210,7 @@ class Model:
 
     def is_last(self, name: str, i: int) -> bool:
         """Whether ``i`` is the last instance of a name or container."""
-        count = self.instances.get(name)
-        return i == (self.facts.instances[name] if count is None else count) - 1
+        return i == self._instances(name) - 1
 
     def members(self, region: str) -> list[str]:
         """The named modules a region holds: itself for a name, its members for a container."""
@@ -228,6 +229,7 @@ class Model:
         return sum(v for v in self.profile["modules"][name]["fwd_ms"] if v is not None)
 
     def _instances(self, unit: str) -> int:
+        """How many instances a name or container has."""
         return self.instances[unit] if unit in self.instances else self.facts.instances[unit]
 
     def forward_schedule(self, by_group: dict[Label, int], units: Iterable[str],
@@ -369,11 +371,7 @@ class Model:
             return 0.0
         last = saving[-1]
         run = members[:last + 1] if members[last] in self._saves_own else members[:last]
-        ms = 0.0
-        for n, i in run:
-            v = self.profile["modules"][n]["fwd_ms"]
-            ms += float(v[i]) if i < len(v) and v[i] is not None else 0.0
-        return ms
+        return sum(self._module_ms(n, i) for n, i in run)
 
     def _check_assignment(self, offload: list[str], recompute: list[str], checkpoint: list[str],
                           max_inflight_groups: int) -> None:
