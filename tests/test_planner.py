@@ -15,17 +15,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import offload
 from offload import Budget, OffloadTypeError, OffloadValueError
 from offload.planner import check, search
-from offload.planner.apply import Applied, checkpoint_modules, matching
+from offload.planner.apply import Applied, checkpoint_modules, checkpoint_regions, matching
 from offload.planner.planning import _profile, describe
 from offload.planner.structure import find_containers
 from offload.testing import GPT_MAPPING, build_gpt, first_difference, train_step
 from offload.tools.advisor import Model
 from offload.tools.bandwidth import Bandwidth
-from offload.tools.profile_modules import record_saved
+from offload.tools.profile_modules import record_saved, split_label
 from offload.tools.workload import Workload
 
 GIB = 2**30
@@ -174,6 +175,59 @@ def test_checkpoint_arithmetic_on_a_known_profile():
     assert search.checkpoint_sets(m, ["L", "a", "b"]) == [(), ("b",), ("a",), ("a", "b"), ("L",)]
 
 
+def test_last_instances_of_two_regions_are_recomputed_one_after_another():
+    """Two containers a layer, P (a, b) then Q (c, d): t (4 MB, made in a, saved by b) and u
+    (2 MB, made in c, saved by d) are recomputed. Checkpointing both frees t and u of layers 0
+    and 1; of the last layer, whose regions are recomputed (and freed) one after another at the
+    start of backward, the smaller, u, is freed at the peak too."""
+    storages, inputs = [], {}
+    for i in range(3):
+        k = len(storages)
+        storages += [{"bytes": 1_000_000, "eligible": True, "savers": [f"a:{i}"], "created_in": None},
+                     {"bytes": 4_000_000, "eligible": True, "savers": [f"b:{i}"], "created_in": f"a:{i}"},
+                     {"bytes": 1_000_000, "eligible": True, "savers": [f"c:{i}"], "created_in": f"b:{i}"},
+                     {"bytes": 2_000_000, "eligible": True, "savers": [f"d:{i}"], "created_in": f"c:{i}"}]
+        inputs.update({f"P:{i}": [k], f"Q:{i}": [k + 2]})
+    prof = {"names": list("abcd"), "close_order": [[n, i] for i in range(3) for n in "abcd"], "step_ms": 30.0,
+            "forward_ms": 9.0, "backward_ms": 18.0, "peak_allocated": 100_000_000,
+            "modules": {n: {"fwd_ms": [1.0] * 3, "bwd_ms": [2.0] * 3} for n in "abcd"}, "storages": storages,
+            "regions": {"containers": {"P": {"members": ["a", "b"], "instances": 3},
+                                       "Q": {"members": ["c", "d"], "instances": 3}},
+                        "within": {f"{n}:{i}": [f"{'P' if n in 'ab' else 'Q'}:{i}"] for i in range(3) for n in "abcd"},
+                        "inputs": inputs, "other": {}}}
+    m = Model(prof, Bandwidth.constant(1.0))
+    assert m.predict(checkpoint=["P"]).recomputed_bytes == 2 * 4_000_000
+    assert m.predict(checkpoint=["Q"]).recomputed_bytes == 2 * 2_000_000
+    assert m.predict(checkpoint=["P", "Q"]).recomputed_bytes == 2 * 6_000_000 + 2_000_000
+
+
+def test_selective_checkpoint_arithmetic_on_a_known_profile():
+    """L checkpointed keeping a: t (made in a) stays, held by the policy's cache and out of the
+    engine's reach; o (saved outside a and b) is recomputed; a is not run again, nor b (early
+    stop), so the recompute costs nothing. Keeping b instead: its output u, which nothing saves,
+    is held in every layer, the last one included: memory the step never held before."""
+    prof = layer_profile()
+    for i in range(3):  # b's output, 3 MB a layer, that nothing saves (what structure.record adds)
+        prof["storages"].append({"bytes": 3_000_000, "eligible": True, "savers": [], "created_in": f"b:{i}",
+                                 "unsaved": True})
+    m = Model(prof, Bandwidth.constant(1.0))
+    assert m.predict(checkpoint=["L"]).recomputed_bytes == 2 * 6_000_000  # the unsaved rows change nothing
+    assert m.predict(recompute=["b"]).recomputed_bytes == 0 and m.saved_bytes() == 3 * 7_000_000
+    keep_a = m.predict(checkpoint=["L"], selective=["a"])
+    assert keep_a.recomputed_bytes == 2 * 2_000_000 and keep_a.recompute_ms == 0
+    assert m.predict(checkpoint=["L"], selective=["a"], offload=["L"]).offloaded_by_name == {"L": 2_000_000}
+    keep_b = m.predict(checkpoint=["L"], selective=["b"])
+    assert keep_b.recomputed_bytes == 2 * 6_000_000 - 3 * 3_000_000
+    assert keep_b.recompute_ms == pytest.approx(3.0)  # a runs again; b would not have run anyway
+    assert search.selective_variants(m, "L") == [(), ("a",)] and search.selective_variants(m, "a") == [()]
+    for bad, match in [(dict(selective=["a"]), "checkpointed container around"),
+                       (dict(checkpoint=["a"], selective=["a"]), "checkpointed container around"),
+                       (dict(checkpoint=["L"], selective=["L"]), "module names"),
+                       (dict(checkpoint=["L"], selective=["a", "b"]), "recomputes nothing")]:
+        with pytest.raises(ValueError, match=match):
+            m.predict(**bad)
+
+
 # ------------------------------------------------------------------ the tiny GPT stack on CPU
 def gpt_step(model: torch.nn.Module):
     x, g = torch.randn(SHAPE, generator=torch.Generator().manual_seed(3)), torch.randn(SHAPE)
@@ -207,7 +261,9 @@ def test_containers_of_the_gpt_stack(gpt):
                           "mlp": [f"layers.{i}.mlp" for i in range(4)]}
     assert prof["regions"]["containers"]["mlp"]["members"] == ["fc1", "mlp_act", "fc2"]
     assert prof["regions"]["within"]["core_attn:2"] == ["layers:2", "self_attention:2"]
-    assert prof["peak_estimated"] and prof["peak_allocated"] == sum(s["bytes"] for s in prof["storages"])
+    assert prof["peak_estimated"] and prof["peak_allocated"] == sum(s["bytes"] for s in prof["storages"] if s["savers"])
+    unsaved = {s["created_in"] for s in prof["storages"] if s.get("unsaved")}  # outputs nothing saves
+    assert {f"{n}:{i}" for n in ("attn_proj", "fc2") for i in range(4)} <= unsaved
 
 
 CASES = [((), ("core_attn", "attn_proj")), (("layers",), ("layers",)),
@@ -240,8 +296,100 @@ def test_model_equals_the_engine_and_what_the_checkpointed_step_saves(gpt, confi
     finally:
         undo()
     rows, _, _ = m._checkpoint_rows(frozenset(checkpointed)) if checkpointed else (
-        [(s["bytes"],) for s in prof["storages"] if not s.get("input_only")], 0, 0)
+        [(s["bytes"],) for s in prof["storages"] if not s.get("unsaved")], 0, 0)
     assert sum(r[0] for r in rows) == sum(s["bytes"] for s in saved)
+
+
+class LiveStorages(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every storage the ops make, weakly: `live_bytes` is what is still alive of them."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                self.made[st._cdata] = (StorageWeakRef(st), st.nbytes())
+        return out
+
+    def live_bytes(self):
+        return sum(n for ref, n in self.made.values() if not ref.expired())
+
+
+def held_at_forward_end(model, checkpointed=(), selective=()):
+    """Bytes the forward's ops made that are alive when it returns (saved, cached, its output),
+    with ``checkpointed`` checkpointed in every layer but the last: the model's peak is at the
+    start of the backward, when the last layer has been recomputed already."""
+    where = {**{n: matching(model, p) for n, p in GPT_MAPPING.items()}, **find_containers(model, GPT_MAPPING)}
+    last = f"layers.{len(model.layers) - 1}"
+    where = {r: [qn for qn in qns if qn != last and not qn.startswith(last + ".")] for r, qns in where.items()}
+    undo = checkpoint_regions(model, where, tuple(checkpointed), tuple(selective))
+    x = torch.randn(SHAPE, requires_grad=True)
+    try:
+        with LiveStorages() as live:
+            out = model(x)
+        held = live.live_bytes()
+        out.sum().backward()
+    finally:
+        undo()
+    return held
+
+
+SELECTIVE_CASES = [(("mlp",), ("fc1",)), (("mlp",), ("mlp_act",)), (("self_attention",), ("core_attn",)),
+                   (("self_attention",), ("qkv_linear", "core_attn")),
+                   (("layers",), ("qkv_linear", "core_attn", "attn_proj", "fc1")), (("layers",), ())]
+
+
+@pytest.mark.parametrize("checkpointed, selective", SELECTIVE_CASES,
+                         ids=[describe(search.Assignment(c, selective=k)) for c, k in SELECTIVE_CASES])
+def test_model_equals_what_a_selective_checkpoint_holds(gpt, checkpointed, selective):
+    """What the forward holds when it returns, by every storage its ops made: checkpointing a
+    region, with some modules' outputs kept by the policy (their unsaved outputs too), holds the
+    model's net recomputed bytes less than the plain forward, byte for byte (the last layer,
+    recomputed at the peak, apart: its cache holds the kept modules' unsaved outputs too)."""
+    model, _, _, prof = gpt
+    m = Model(prof, Bandwidth.constant(10.0))
+    plain = held_at_forward_end(model)
+    held = held_at_forward_end(model, checkpointed, selective)
+    pred = m.predict(checkpoint=checkpointed, selective=selective)
+    last = len(model.layers) - 1
+    cached_in_last = sum(s["bytes"] for s in prof["storages"] if s.get("unsaved") and s["created_in"]
+                         and split_label(s["created_in"]) in {(n, last) for n in selective})
+    assert plain - held == pred.recomputed_bytes + cached_in_last
+
+
+class OpCount(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self, ops):
+        super().__init__()
+        self.ops, self.count = ops, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.ops
+        return func(*args, **(kwargs or {}))
+
+
+def test_selective_checkpoint_runs_no_kept_module_again(gpt):
+    """The MLP checkpointed keeping fc1: its recompute runs the activation alone, no matmul
+    (fc2's is never run again: early stop); checkpointed in full, it runs fc1's again."""
+    model = gpt[0]
+    where = {**{n: matching(model, p) for n, p in GPT_MAPPING.items()}, **find_containers(model, GPT_MAPPING)}
+
+    def backward_matmuls(selective):
+        undo = checkpoint_regions(model, where, ("mlp",), selective)
+        try:
+            out = model(torch.randn(SHAPE, requires_grad=True))
+            with OpCount({torch.ops.aten.mm.default, torch.ops.aten.addmm.default}) as count:
+                out.sum().backward()
+        finally:
+            undo()
+        return count.count
+
+    full, kept = backward_matmuls(()), backward_matmuls(("fc1",))
+    assert full - kept == len(model.layers) > 0
+    assert not model.layers[0].mlp.linear_fc1._forward_pre_hooks  # the policy's hooks are gone
 
 
 FWD_MS = {"attn_norm": .1, "qkv_linear": .6, "core_attn": 1.0, "attn_proj": .2, "mlp_norm": .1, "fc1": .8,
@@ -281,17 +429,39 @@ def test_recompute_beats_offloading_on_a_slow_link(gpt):
     prof = gpu_like(gpt[3])
     m = Model(prof, Bandwidth.constant(0.01))
     a, p = search.choose(m, int(0.4 * prof["peak_allocated"]))
-    assert set(a.checkpoint) == {"self_attention", "mlp"}
+    assert a.checkpoint and set(a.checkpoint) <= set(m.containers)
     offload_only = min((search._best_for(m, (), offloaded, lambda q: search.rank(q, 0)) for offloaded in
                         [("qkv_linear", "core_attn", "attn_proj", "mlp_norm", "fc1", "mlp_act", "fc2")]),
                        key=lambda q: q.cost_ms)
     assert p.cost_ms < offload_only.cost_ms
 
 
-def test_memory_free_layer_when_nothing_else_reaches_the_budget(gpt):
-    """Below what checkpointing every layer keeps (the layers' inputs), the plan checkpoints the
-    layers and offloads the inputs they keep: the "memory-free" layer."""
+def test_selective_checkpoint_when_recomputing_the_cheap_module_is_enough(gpt):
+    """A small saving on a slow link: the MLP checkpointed keeping fc1, so that its recompute
+    runs only the activation (fc2 is not run again either way); without selective
+    checkpointing the best plan for the same budget costs more than twice as much."""
     prof = gpu_like(gpt[3])
+    m = Model(prof, Bandwidth.constant(0.01))
+    assert search.selective_variants(m, "mlp") == [(), ("fc1",), ("fc1", "mlp_act")]
+    budget = int(0.9 * prof["peak_allocated"])
+    a, p = search.choose(m, budget)
+    assert a == search.Assignment(checkpoint=("mlp",), selective=("fc1",)) and p.peak_bytes <= budget
+    assert p.recompute_ms == pytest.approx(4 * FWD_MS["mlp_act"])
+    full, q = search.choose(m, budget, selective=False)
+    assert not full.selective and q.cost_ms > 2 * p.cost_ms
+    rows = {r["unit"]: r for r in search.explain(m, a, p)}
+    assert rows["fc1"]["choice"] == "saved in mlp" and rows["mlp_act"]["choice"] == "in mlp"
+    assert describe(a) == "checkpoint mlp (keeping fc1)"
+
+
+def test_memory_free_layer_when_nothing_else_reaches_the_budget(gpt):
+    """With the layers as the only regions (``plan(regions={"layers": ...})``), below what
+    checkpointing every layer keeps (the layers' inputs), the plan checkpoints the layers and
+    offloads the inputs they keep: the "memory-free" layer."""
+    prof = gpu_like(gpt[3])
+    regions = prof["regions"]
+    regions["containers"] = {"layers": regions["containers"]["layers"]}
+    regions["within"] = {k: [c for c in v if c.startswith("layers:")] for k, v in regions["within"].items()}
     m = Model(prof, Bandwidth.constant(0.01))
     full = m.predict(checkpoint=["layers"])
     a, p = search.choose(m, full.peak_bytes - 1)
@@ -393,7 +563,7 @@ class ScriptedChecks:
         self.result.measured = self.measure()
         rest = iter(choices[1:])
 
-        def choose(model, budget, exclude=()):
+        def choose(model, budget, exclude=(), selective=True):
             self.planned_for.append(budget)
             a = next(rest, choices[-1])  # past the script: the last choice again (measured: the loop stops)
             return a, a.predict(model)
@@ -504,6 +674,30 @@ def test_applied_plan_gradients_are_bitwise(deterministic):
     plan.remove()
     assert offload.planner.active_plan() is None and "forward" not in model.layers[0].__dict__
     assert list(model.state_dict()) == list(ref.state_dict())
+
+
+def test_selective_plan_offloads_what_the_model_says_and_is_bitwise(gpt, deterministic):
+    """The MLP checkpointed keeping fc1, its inputs and core_attn offloaded: the engine moves
+    the model's bytes, name by name, and gradients are bitwise those of the plain model."""
+    torch.manual_seed(0)
+    model = build_gpt(32, 4, 4)
+    ref = copy.deepcopy(model)
+    x, g = torch.randn(SHAPE), torch.randn(SHAPE)
+    _, ref_grads = train_step(ref, x, g)
+    prof = gpt[3]
+    a = search.Assignment(checkpoint=("mlp",), offload=("core_attn", "mlp"), selective=("fc1",))
+    applied = Applied(model, GPT_MAPPING, find_containers(model, GPT_MAPPING), a.checkpoint, a.offload, 1,
+                      {"min_tensor_bytes": 0, "device": "cpu"}, a.selective)
+    try:
+        for _ in range(3):
+            _, grads = train_step(model, x, g)
+            stats = offload.end_iteration()
+            assert first_difference(ref_grads, grads) is None
+    finally:
+        applied.remove()
+    got = {n: s.bytes_offloaded for n, s in stats.by_name.items() if s.bytes_offloaded}
+    assert got == a.predict(Model(prof, Bandwidth.constant(10.0))).offloaded_by_name and set(got) == {"core_attn", "mlp"}
+    assert "forward" not in model.layers[0].mlp.__dict__ and not model.layers[0].mlp.linear_fc1._forward_hooks
 
 
 def test_configure_auto_plans_and_applies(capsys):

@@ -1022,7 +1022,9 @@ class MegatronOffload:
         try:
             plan = make_plan(auto.chunk, auto.mapping, step, auto.budget, regions="auto", device=device,
                              min_tensor_bytes=auto.min_tensor_bytes, bandwidth=auto.bandwidth, apply=False,
-                             check_steps=0, verbose=False)
+                             # no selective checkpointing: Transformer Engine's kernels run outside torch's
+                             # dispatcher, where a selective-checkpoint policy cannot keep their outputs
+                             check_steps=0, selective=False, verbose=False)
             megatron_plan.agree(plan)
             self._apply_plan(plan, device)
             plan.notes.extend(auto.notes())

@@ -8,6 +8,10 @@ checkpoint saves the module's inputs: offloading them is the "memory-free" layer
 the same forward with the same random state (``preserve_rng_state``), so gradients are bitwise
 those of the model without it. The offloaded groups go through `offload.configure` and
 `offload.attach`, as a user would call them.
+
+A region whose plan keeps some names inside it (``selective``) is checkpointed with a
+selective-checkpoint policy by module (`SavedModules`): the ops those modules run have their
+outputs saved by the checkpoint and given back to its recompute instead of run again.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..errors import OffloadValueError
 
@@ -82,6 +86,39 @@ def _checkpointed(module: nn.Module, context_fn: Callable[[], Any] | None) -> Ca
     return run
 
 
+class SavedModules:
+    """Selective checkpointing by module: inside a checkpointed region, an op that runs within
+    one of ``modules`` has its outputs saved (`CheckpointPolicy.MUST_SAVE`), every other op is
+    recomputed. Views and in-place ops are recomputed everywhere: they cost nothing to run
+    again, and a saved view would keep its base (perhaps the output of a module that is
+    recomputed) alive. Forward hooks on the modules say which op runs where, in the forward and
+    in the recompute alike (the recompute calls the same modules); `context` is the
+    checkpoint's ``context_fn``."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.depth = 0  # how many of the modules are running now (they may be nested)
+        self._handles = [h for m in modules for h in (m.register_forward_pre_hook(self._enter),
+                                                       m.register_forward_hook(self._leave, always_call=True))]
+
+    def _enter(self, module: nn.Module, args: tuple) -> None:
+        self.depth += 1
+
+    def _leave(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.depth -= 1
+
+    def policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        aliases = any(r.alias_info is not None for r in op._schema.returns)
+        return CheckpointPolicy.MUST_SAVE if self.depth and not aliases else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def context(self) -> tuple[Any, Any]:
+        return create_selective_checkpoint_contexts(self.policy)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
 def matching(model: nn.Module, pattern: str | list[str]) -> list[str]:
     """The qualified names of the modules a pattern (or list of them) matches, outermost only."""
     patterns = [pattern] if isinstance(pattern, str) else list(pattern)
@@ -89,19 +126,50 @@ def matching(model: nn.Module, pattern: str | list[str]) -> list[str]:
     return [qn for qn in hits if not any(qn.startswith(h + ".") for h in hits)]
 
 
+def checkpoint_regions(model: nn.Module, where: dict[str, list[str]], checkpoint: tuple[str, ...],
+                       selective: tuple[str, ...] = ()) -> Callable[[], None]:
+    """Checkpoint the regions ``checkpoint`` (``where``: a name or container -> its modules'
+    qualified names), those holding names of ``selective`` with `SavedModules` on those names'
+    modules; returns the function that undoes it."""
+    kept = [qn for n in selective for qn in where[n]]
+    saved = SavedModules([model.get_submodule(qn) for qn in kept]) if kept else None
+    undo = []
+    try:
+        for region in checkpoint:
+            for qn in where[region]:
+                selective_here = saved is not None and any(k.startswith(qn + ".") for k in kept)
+                undo.append(checkpoint_modules(model, [qn], saved.context if selective_here else None))
+    except BaseException:
+        for u in reversed(undo):
+            u()
+        if saved is not None:
+            saved.remove()
+        raise
+
+    def restore() -> None:
+        for u in reversed(undo):
+            u()
+        undo.clear()
+        if saved is not None:
+            saved.remove()
+
+    return restore
+
+
 class Applied:
-    """``checkpoint`` (names of ``mapping`` or ``containers``) checkpointed and ``offload``
-    offloaded on ``model``, with the engine configured by ``engine`` (`offload.configure`'s
-    keyword arguments); `remove` takes all of it away and leaves an engine that offloads nothing."""
+    """``checkpoint`` (names of ``mapping`` or ``containers``) checkpointed, keeping the names
+    ``selective`` inside them, and ``offload`` offloaded on ``model``, with the engine configured
+    by ``engine`` (`offload.configure`'s keyword arguments); `remove` takes all of it away and
+    leaves an engine that offloads nothing."""
 
     def __init__(self, model: nn.Module, mapping: dict[str, str], containers: dict[str, list[str]],
                  checkpoint: tuple[str, ...], offload: tuple[str, ...], max_inflight_groups: int,
-                 engine: dict[str, Any]) -> None:
+                 engine: dict[str, Any], selective: tuple[str, ...] = ()) -> None:
         import offload as api
 
         self.engine = engine
         where = {**{n: matching(model, p) for n, p in mapping.items()}, **containers}
-        self._restore = checkpoint_modules(model, [qn for r in checkpoint for qn in where[r]])
+        self._restore = checkpoint_regions(model, where, checkpoint, selective)
         self.handle = None
         try:
             api.configure(list(offload), max_inflight_groups=max_inflight_groups, **engine)

@@ -125,8 +125,8 @@ class Plan:
         """The plan as JSON-ready data (without the profile)."""
         return {
             "budget": str(self.budget), "budget_bytes": self.budget_bytes,
-            "checkpoint": list(self.assignment.checkpoint), "offload": list(self.assignment.offload),
-            "max_inflight_groups": self.assignment.max_inflight_groups,
+            "checkpoint": list(self.assignment.checkpoint), "selective": list(self.assignment.selective),
+            "offload": list(self.assignment.offload), "max_inflight_groups": self.assignment.max_inflight_groups,
             "predicted_step_ms": self.predicted_step_ms, "predicted_peak_bytes": self.predicted_peak_bytes,
             "base_step_ms": self.base_step_ms, "base_peak_bytes": self.base_peak_bytes,
             "peak_estimated": self.peak_estimated, "rows": self.rows,
@@ -140,7 +140,8 @@ def describe(a: Assignment) -> str:
     """An assignment in a few words."""
     parts = []
     if a.checkpoint:
-        parts.append("checkpoint " + ",".join(a.checkpoint))
+        parts.append("checkpoint " + ",".join(a.checkpoint) + (f" (keeping {','.join(a.selective)})"
+                                                               if a.selective else ""))
     if a.offload:
         parts.append("offload " + ",".join(a.offload) + (f" ({a.max_inflight_groups} groups in flight)"
                                                           if a.max_inflight_groups > 1 else ""))
@@ -152,7 +153,7 @@ def plan(model: nn.Module, mapping: Mapping[str, str] | str | list[str], step: C
          profile: dict[str, Any] | str | Path | None = None, bandwidth: Bandwidth | dict | str | Path | float | None = None,
          device: torch.device | str | None = None, min_tensor_bytes: int | None = None,
          engine: Mapping[str, Any] | None = None, apply: bool = True, check_steps: int = 3,
-         replan: bool = True, verbose: bool = True) -> Plan:
+         replan: bool = True, selective: bool = True, verbose: bool = True) -> Plan:
     """Choose, apply and check the fastest plan for ``memory_budget`` (module docstring).
 
     ``mapping`` names the modules as for `offload.attach` (one pattern per name; names alone for a
@@ -162,7 +163,9 @@ def plan(model: nn.Module, mapping: Mapping[str, str] | str | list[str], step: C
     name -> pattern(s). ``profile`` and ``bandwidth`` take saved results instead of measuring
     (``bandwidth`` also a flat GB/s). ``engine``: more `offload.configure` arguments
     (``max_pinned_bytes``, ``copy_chunk_bytes``, ``timing``). With ``apply=False`` nothing is
-    applied or measured. Prints the table unless ``verbose=False``.
+    applied or measured. ``selective=False`` leaves selective checkpointing out (a checkpointed
+    region recomputes everything inside it: for modules whose ops torch's dispatcher does not
+    see). Prints the table unless ``verbose=False``.
     """
     global _active
     budget = Budget.parse(memory_budget)
@@ -189,7 +192,7 @@ def plan(model: nn.Module, mapping: Mapping[str, str] | str | list[str], step: C
     device_bytes = torch.cuda.get_device_properties(device).total_memory if cuda else None
     budget_bytes = budget.resolve(prof["peak_allocated"], device_bytes)
     model_ = Model(prof, link)
-    assignment, pred = choose(model_, budget_bytes)
+    assignment, pred = choose(model_, budget_bytes, selective=selective)
     result = Plan(budget, budget_bytes, assignment, pred, predicted_step_ms(prof, pred), pred.peak_bytes,
                   explain(model_, assignment, pred), prof, link, peak_estimated=bool(prof.get("peak_estimated")))
     if result.peak_estimated:
@@ -210,7 +213,7 @@ def plan(model: nn.Module, mapping: Mapping[str, str] | str | list[str], step: C
                     _apply(result, model, mapping, containers, engine)
 
                 _check_and_replan(result, apply_plan,
-                                  lambda: measure(step, check_steps, CHECK_WARMUP[device.type], cuda))
+                                  lambda: measure(step, check_steps, CHECK_WARMUP[device.type], cuda), selective)
     if verbose:
         print(result.table())
     return result
@@ -219,7 +222,8 @@ def plan(model: nn.Module, mapping: Mapping[str, str] | str | list[str], step: C
 def _apply(result: Plan, model: nn.Module, mapping: dict[str, str], containers: dict[str, list[str]],
            engine: dict[str, Any]) -> None:
     a = result.assignment
-    result.applied = Applied(model, mapping, containers, a.checkpoint, a.offload, a.max_inflight_groups, engine)
+    result.applied = Applied(model, mapping, containers, a.checkpoint, a.offload, a.max_inflight_groups, engine,
+                             a.selective)
 
 
 MAX_MEASURED_PLANS = 3
@@ -248,7 +252,7 @@ class _Tried:
 
 
 def _check_and_replan(result: Plan, apply_plan: Callable[[Assignment], None],
-                      measure_plan: Callable[[], Measured]) -> None:
+                      measure_plan: Callable[[], Measured], selective: bool = True) -> None:
     """Plan again while the measurement deviates (`check.deviations`), with the corrections of
     `check.calibrate`: the best plan of the corrected model not measured yet (the runner-up when
     the corrected model still prefers a measured one), up to `MAX_MEASURED_PLANS` measured; then
@@ -271,7 +275,7 @@ def _check_and_replan(result: Plan, apply_plan: Callable[[Assignment], None],
         offset = max(offset, over)
         model_ = Model(prof, link)
         measured_already = [t.choice["assignment"] for t in tried]
-        assignment, pred = choose(model_, budget - offset, exclude=measured_already)
+        assignment, pred = choose(model_, budget - offset, exclude=measured_already, selective=selective)
         if assignment in measured_already:  # nothing else to try
             break
         apply_plan(assignment)
@@ -344,7 +348,7 @@ def _profile(model: nn.Module, mapping: dict[str, str], containers: dict[str, li
     if "regions" not in prof:
         prof["regions"] = record(model, mapping, containers, step, prof, device)
     if prof.get("peak_allocated") is None:
-        prof["peak_allocated"] = sum(s["bytes"] for s in prof["storages"])
+        prof["peak_allocated"] = sum(s["bytes"] for s in prof["storages"] if not s.get("unsaved"))
         prof["peak_estimated"] = True
     return prof
 

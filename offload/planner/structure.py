@@ -16,8 +16,9 @@ saved-tensor hook, and gives the advisor (`offload.tools.advisor.CheckpointFacts
 container instances each instance lies in, the storages each instance takes as tensor inputs
 (what its checkpoint would save), and the containers around every save made outside named
 modules. Storages are the profile's (`offload.tools.profile_modules`), matched by the order in
-which the step first saves them, which is checked (shapes and dtypes); an input that nothing
-saves is added to the profile's storages.
+which the step first saves them, which is checked (shapes and dtypes). What nothing saves is
+added to the profile's storages as ``unsaved``: the inputs of instances (a checkpoint saves
+them) and the outputs of named modules (a selective checkpoint that keeps the module holds them).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def _engine_bytes(t: torch.Tensor) -> int:
 def record(model: nn.Module, mapping: dict[str, str], containers: dict[str, list[str]],
            step: Callable[[], None], profile: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """Run ``step()`` once and return ``profile["regions"]`` (module docstring); adds the inputs
-    that nothing saves to ``profile["storages"]``."""
+    and the named modules' outputs that nothing saves to ``profile["storages"]``."""
     storages = profile["storages"]
     regions = {id(m): name for name, _, m in match_modules(model, mapping)}
     for name, qns in containers.items():
@@ -112,11 +113,25 @@ def record(model: nn.Module, mapping: dict[str, str], containers: dict[str, list
     order: dict[int, int] = {}  # storage -> first-save index
     first: list[tuple[list[int], str]] = []  # shape and dtype at the first save
     other: dict[int, set[tuple[str, ...]]] = {}
-    extra: dict[int, dict[str, Any]] = {}  # inputs, until known to be saved or not
+    extra: dict[int, dict[str, Any]] = {}  # inputs and outputs, until known to be saved or not
     keep: list[torch.Tensor] = []  # no address is reused within the step
 
     def forward_not_recompute() -> bool:
         return torch._C._current_graph_task_id() == -1
+
+    def tensors(values: Any) -> list[tuple[int, torch.Tensor]]:
+        """The activation storages among ``values``, once each, kept alive for the step."""
+        out: dict[int, torch.Tensor] = {}
+        for t in tree_leaves(values):
+            k = _key(t) if isinstance(t, torch.Tensor) else None
+            if k is not None and k not in params and k not in out:
+                out[k] = t
+                keep.append(t)
+        return list(out.items())
+
+    def unsaved(t: torch.Tensor, created_in: str | None) -> dict[str, Any]:
+        return {"bytes": _engine_bytes(t), "eligible": policy.admits(t), "savers": [], "shape": list(t.shape),
+                "dtype": str(t.dtype).replace("torch.", ""), "created_in": created_in, "unsaved": True}
 
     def pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not forward_not_recompute():
@@ -128,22 +143,22 @@ def record(model: nn.Module, mapping: dict[str, str], containers: dict[str, list
         around = [label(*x) for x in stack if x[0] in containers]
         if around:
             within[here] = around
-        keys = []
-        for t in tree_leaves((args, kwargs)):
-            k = _key(t) if isinstance(t, torch.Tensor) else None
-            if k is None or k in params or k in keys:
-                continue
-            keys.append(k)
-            keep.append(t)
-            extra.setdefault(k, {"bytes": _engine_bytes(t), "eligible": policy.admits(t), "savers": [],
-                                 "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
-                                 "created_in": None, "input_only": True})
-        inputs[here] = keys
+        found = tensors((args, kwargs))
+        for k, t in found:
+            extra.setdefault(k, unsaved(t, None))
+        inputs[here] = [k for k, _ in found]
         stack.append((name, i))
 
     def post(module: nn.Module, args: tuple, output: Any) -> None:
-        if forward_not_recompute():
-            stack.pop()
+        if not forward_not_recompute():
+            return
+        name, i = stack.pop()
+        if name in containers:
+            return
+        here = label(name, i)
+        for k, t in tensors(output):
+            if k not in inputs[here] and k not in order:  # made here, not saved (yet)
+                extra.setdefault(k, unsaved(t, here))
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         k = _key(t)
@@ -167,7 +182,7 @@ def record(model: nn.Module, mapping: dict[str, str], containers: dict[str, list
         keep.clear()  # the step's tensors, then the hooks
         for h in handles:
             h.remove()
-    expected = [(list(s["shape"]), s["dtype"]) for s in storages if not s.get("input_only")]
+    expected = [(list(s["shape"]), s["dtype"]) for s in storages if not s.get("unsaved")]
     if first != expected:
         raise OffloadValueError(
             "offload: the step saved different tensors in two runs (profile and region pass), so the "

@@ -24,13 +24,21 @@ The model, on the profile's saved storages (`offload.tools.profile_modules`):
   MLP), given by the profile's ``regions`` facts (`offload.planner.structure`). Every save made
   inside a checkpointed instance is dropped; the instance saves its tensor inputs instead. A
   storage that nothing saves any more is recomputed (freed at the peak unless it belongs to the
-  last instance, whose recompute runs at the start of backward); one that a module outside still
+  last instance, whose recompute runs at the start of backward; of several regions' last
+  instances, recomputed and freed one after another, only the largest); one that a module outside still
   saves stays, so checkpointing a module alone frees only what nothing outside it saves. The
   inputs a checkpointed region keeps can be offloaded too (it is then a group of its own: the
   "memory-free" layer). Recompute costs the forward time of the named modules inside, once
   more, up to the region's last save: non-reentrant checkpointing stops recomputing there (the
   second matmul of an MLP, which saves only its input, is not run again). It lengthens the
   backward that hides the reloads.
+* **Selective checkpointing** (``selective=``; `offload.planner.apply.SavedModules`): names
+  inside a checkpointed container whose op outputs the checkpoint saves instead of recomputing
+  (torch's selective-checkpoint policies, chosen by module). What such an instance creates is
+  held from its forward to the region's backward, out of the engine's reach (the policy's cache
+  holds it), including the outputs that nothing saves otherwise (the profile's ``unsaved`` rows,
+  recorded by `offload.planner.structure.record`): memory the step without checkpointing never
+  held. The recompute runs only the names that are not kept.
 * **Forward time**: the engine's own schedule, simulated on the profile's forward (each module
   instance's measured forward time, scaled so that a layer takes the measured layer forward),
   with the host ahead of the GPU (a GPU-bound step). A group is known to be offloaded when the
@@ -93,13 +101,14 @@ class Prediction:
     recompute: list[str]
     max_inflight_groups: int = 1
     checkpoint: list[str] = field(default_factory=list)
+    selective: list[str] = field(default_factory=list)
     offloaded_by_name: dict[str, int] = field(default_factory=dict)
     bytes_per_group: dict[str, int] = field(default_factory=dict)
     forward_wait_by_name: dict[str, float] = field(default_factory=dict)
     # memory, bytes per step
     offloaded_bytes: int = 0
     inflight_bytes: int = 0
-    recomputed_bytes: int = 0
+    recomputed_bytes: int = 0  # net: less what selective checkpointing holds that nothing held before
     freed_at_peak: int = 0
     peak_bytes: int | None = None
     # time, ms
@@ -180,7 +189,7 @@ class Model:
                     self._saves_any.add(s)
                     if s == created:
                         self._saves_own.add(s)
-        self._checkpointed_rows: dict[frozenset[str], tuple[list[Row], int, float]] = {}
+        self._checkpointed_rows: dict[tuple[frozenset[str], frozenset[str]], tuple[list[Row], int, float]] = {}
         # what the step's peak holds beyond the forward's end: the backward's first buffers
         end, peak = profile.get("forward_end_allocated"), profile.get("peak_allocated")
         self.backward_buffers = max(0, peak - end) if end is not None and peak is not None else 0
@@ -222,7 +231,7 @@ class Model:
 
     def saved_bytes(self) -> int:
         """Every storage the step saves, once."""
-        return sum(nbytes for nbytes, *_ in self.storages)
+        return sum(nbytes for nbytes, _, savers, _ in self.storages if savers)
 
     def recompute_ms(self, name: str) -> float:
         """The forward time of every instance of ``name``: what recomputing it costs per step."""
@@ -299,6 +308,8 @@ class Model:
         rows: list[Row] = []
         freed = 0
         for nbytes, eligible, savers, created in self.storages:
+            if not savers:  # nothing saves it: nothing to recompute
+                continue
             if created is not None and created[0] in rec:
                 if not self.is_last(*created):
                     freed += nbytes
@@ -306,11 +317,13 @@ class Model:
             rows.append((nbytes, eligible, savers))
         return rows, freed, sum(self.recompute_ms(n) for n in rec)
 
-    def _checkpoint_rows(self, regions: frozenset[str]) -> tuple[list[Row], int, float]:
-        """The storages with ``regions`` checkpointed (module docstring), the bytes recomputed
-        and freed at the peak, and the recompute time. Cached per set of regions."""
-        if regions in self._checkpointed_rows:
-            return self._checkpointed_rows[regions]
+    def _checkpoint_rows(self, regions: frozenset[str],
+                         selective: frozenset[str] = frozenset()) -> tuple[list[Row], int, float]:
+        """The storages with ``regions`` checkpointed and the names ``selective`` kept inside
+        them (module docstring), the net bytes freed at the peak (recomputed, less what the
+        checkpoints hold that nothing saved before), and the recompute time. Cached."""
+        if (regions, selective) in self._checkpointed_rows:
+            return self._checkpointed_rows[(regions, selective)]
         f = self.facts
 
         def checkpointed(inst: Label) -> Label | None:
@@ -326,7 +339,8 @@ class Model:
                     takers.setdefault(k, []).append(inst)
         rows: list[Row] = []
         freed = 0
-        for k, (nbytes, eligible, savers, _) in enumerate(self.storages):
+        in_last: dict[Label, int] = {}  # a last instance -> what only it recomputes
+        for k, (nbytes, eligible, savers, created) in enumerate(self.storages):
             kept: list[Label | None] = []
             dropped: list[Label] = []
             for s in savers:
@@ -345,11 +359,25 @@ class Model:
                     if c in takers.get(k, ()):
                         kept.append(c)
             kept += takers.get(k, [])
+            cached = checkpointed(created) if created is not None and created[0] in selective else None
+            if cached is not None:  # the policy's cache holds it until the region's backward
+                kept.append(cached)
+                eligible = False
             kept = list(dict.fromkeys(kept))
             if kept:
                 rows.append((nbytes, eligible, kept))
-            elif dropped and not any(self.is_last(*c) for c in dropped):
-                freed += nbytes
+                if not savers:  # held now, by a checkpoint, where nothing held it before
+                    freed -= nbytes
+            elif dropped:
+                last = {c for c in dropped if self.is_last(*c)}
+                if not last:
+                    freed += nbytes
+                elif len(last) == 1:
+                    (c,) = last
+                    in_last[c] = in_last.get(c, 0) + nbytes
+        # the last instances recompute one after another at the start of backward, each freed
+        # after its own backward: at the peak only the largest one's is held
+        freed += sum(in_last.values()) - max(in_last.values(), default=0)
         ms = 0.0
         inside: dict[Label, list[Label]] = {}  # checkpointed instance -> its named instances, in order
         for inst in self.close_order:
@@ -357,26 +385,32 @@ class Model:
             if c is not None:
                 inside.setdefault(c, []).append(inst)
         for members in inside.values():
-            ms += self._recompute_until_last_save(members)
-        self._checkpointed_rows[regions] = result = (rows, freed, ms)
+            ms += self._recompute_until_last_save(members, selective)
+        self._checkpointed_rows[(regions, selective)] = result = (rows, freed, ms)
         return result
 
-    def _recompute_until_last_save(self, members: list[Label]) -> float:
-        """What recomputing one checkpointed instance costs: non-reentrant checkpointing stops
-        the recompute at the last tensor the region saved (early stop), so the modules after the
-        last one that saves cost nothing, and that one costs nothing when it saves only its
-        inputs, which autograd saves before the op runs (the second matmul of an MLP)."""
+    def recomputed_members(self, members: list[Label]) -> list[Label]:
+        """The instances among ``members`` (one checkpointed instance's, in order) that its
+        recompute runs: non-reentrant checkpointing stops the recompute at the last tensor the
+        region saved (early stop), so the modules after the last one that saves do not run, nor
+        does that one when it saves only its inputs, which autograd saves before the op runs
+        (the second matmul of an MLP)."""
         saving = [k for k, inst in enumerate(members) if inst in self._saves_any]
         if not saving:
-            return 0.0
+            return []
         last = saving[-1]
-        run = members[:last + 1] if members[last] in self._saves_own else members[:last]
-        return sum(self._module_ms(n, i) for n, i in run)
+        return members[:last + 1] if members[last] in self._saves_own else members[:last]
+
+    def _recompute_until_last_save(self, members: list[Label], selective: frozenset[str] = frozenset()) -> float:
+        """What recomputing one checkpointed instance costs: the forward time of the instances
+        its recompute runs (`recomputed_members`), except those whose outputs it kept."""
+        return sum(self._module_ms(n, i) for n, i in self.recomputed_members(members) if n not in selective)
 
     def _check_assignment(self, offload: list[str], recompute: list[str], checkpoint: list[str],
-                          max_inflight_groups: int) -> None:
+                          selective: list[str], max_inflight_groups: int) -> None:
         regions = set(self.names) | set(self.containers)
-        unknown = sorted((set(offload) - regions) | (set(recompute) - set(self.names)) | (set(checkpoint) - regions))
+        unknown = sorted((set(offload) - regions) | (set(recompute) - set(self.names)) | (set(checkpoint) - regions)
+                        | (set(selective) - regions))
         if unknown:
             raise ValueError(f"unknown module name(s) {unknown}; the profile has {self.names}"
                              + (f" and the regions {sorted(self.containers)}" if self.containers else ""))
@@ -384,6 +418,15 @@ class Model:
             raise ValueError(f"a name cannot be both offloaded and recomputed: {sorted(set(offload) & set(recompute))}")
         if max_inflight_groups < 1:
             raise ValueError(f"max_inflight_groups must be >= 1, got {max_inflight_groups}")
+        if set(selective) - set(self.names):
+            raise ValueError(f"selective takes module names, not regions: {sorted(set(selective) - set(self.names))}")
+        loose = [n for n in selective if not any(self.inside(n, c) and c in self.containers for c in checkpoint)]
+        if loose:
+            raise ValueError("selective names are kept by a checkpointed container around them; "
+                             f"none is around {loose}")
+        for c in checkpoint:
+            if c in self.containers and set(self.members(c)) <= set(selective):
+                raise ValueError(f"checkpointed region {c!r} keeps every name inside it: it recomputes nothing")
         if not checkpoint:
             if set(offload) & set(self.containers):
                 raise ValueError(f"a region is offloaded (its inputs) only when checkpointed: "
@@ -405,16 +448,19 @@ class Model:
                 raise ValueError(f"a region is offloaded (its inputs) only when checkpointed: {x!r}")
 
     def predict(self, offload: Iterable[str] = (), recompute: Iterable[str] = (),
-                max_inflight_groups: int = 1, checkpoint: Iterable[str] = ()) -> Prediction:
+                max_inflight_groups: int = 1, checkpoint: Iterable[str] = (),
+                selective: Iterable[str] = ()) -> Prediction:
         """What offloading ``offload`` does with ``recompute`` recomputed (output discarded) or
-        ``checkpoint`` checkpointed; a checkpointed region in ``offload`` offloads its inputs."""
-        offload, recompute, checkpoint = list(offload), list(recompute), list(checkpoint)
-        self._check_assignment(offload, recompute, checkpoint, max_inflight_groups)
+        ``checkpoint`` checkpointed, keeping the outputs of the names ``selective`` inside them;
+        a checkpointed region in ``offload`` offloads its inputs."""
+        offload, recompute, checkpoint, selective = list(offload), list(recompute), list(checkpoint), list(selective)
+        self._check_assignment(offload, recompute, checkpoint, selective, max_inflight_groups)
         off = set(offload)
         pred = Prediction(offload=offload, recompute=recompute, max_inflight_groups=max_inflight_groups,
-                          checkpoint=checkpoint)
+                          checkpoint=checkpoint, selective=selective)
         if checkpoint:
-            rows, pred.recomputed_bytes, pred.recompute_ms = self._checkpoint_rows(frozenset(checkpoint))
+            rows, pred.recomputed_bytes, pred.recompute_ms = self._checkpoint_rows(frozenset(checkpoint),
+                                                                                  frozenset(selective))
         else:
             rows, pred.recomputed_bytes, pred.recompute_ms = self._recomputed_rows(set(recompute))
         by_group: dict[Label, int] = {}
