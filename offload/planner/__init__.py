@@ -12,10 +12,12 @@ What it does (docs/planner.md):
    and records where checkpointed regions could go (`structure`);
 2. measures the link (`offload.tools.bandwidth`), or reads a probe's JSON;
 3. chooses per named module keep, offload or checkpoint, and per container (a layer, its MLP)
-   checkpoint or not, with the inputs a checkpointed region keeps offloaded or not (`search`,
-   on `offload.tools.advisor.Model`'s predictions);
-4. applies it (`apply`): regions run under non-reentrant `torch.utils.checkpoint`, groups are
-   offloaded through `offload.configure` and `offload.attach`;
+   checkpoint or not, which modules inside it keep their outputs (selective checkpointing), and
+   whether the inputs a checkpointed region keeps are offloaded (`search`, on
+   `offload.tools.advisor.Model`'s predictions);
+4. applies it (`apply`): regions run under non-reentrant `torch.utils.checkpoint` (with a
+   selective-checkpoint policy by module where they keep modules), groups are offloaded through
+   `offload.configure` and `offload.attach`;
 5. measures a few steps and, on a GPU, plans again with the measurement's corrections
    (`check`) while the step or the peak differs from the prediction by more than 5% or the peak
    is over the budget (three plans measured at most), and keeps the fastest measured plan within
