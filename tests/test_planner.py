@@ -20,7 +20,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import offload
 from offload import Budget, OffloadTypeError, OffloadValueError
 from offload.planner import check, search
-from offload.planner.apply import Applied, checkpoint_modules, checkpoint_regions, matching
+from offload.planner.apply import Applied, checkpoint_modules, checkpoint_regions, region_modules
 from offload.planner.planning import _profile, describe
 from offload.planner.structure import find_containers
 from offload.testing import GPT_MAPPING, build_gpt, first_difference, train_step
@@ -289,7 +289,7 @@ def test_model_equals_the_engine_and_what_the_checkpointed_step_saves(gpt, confi
     got = {n: s.bytes_offloaded for n, s in stats.by_name.items() if s.bytes_offloaded}
     assert got == m.predict(offload=offloaded, checkpoint=checkpointed).offloaded_by_name
 
-    where = {**{n: matching(model, p) for n, p in GPT_MAPPING.items()}, **containers}
+    where = region_modules(model, GPT_MAPPING, containers)
     undo = checkpoint_modules(model, [qn for r in checkpointed for qn in where[r]])
     try:
         saved, _ = record_saved(Workload(model, GPT_MAPPING, step, torch.device("cpu")), 0)
@@ -323,7 +323,7 @@ def held_at_forward_end(model, checkpointed=(), selective=()):
     """Bytes the forward's ops made that are alive when it returns (saved, cached, its output),
     with ``checkpointed`` checkpointed in every layer but the last: the model's peak is at the
     start of the backward, when the last layer has been recomputed already."""
-    where = {**{n: matching(model, p) for n, p in GPT_MAPPING.items()}, **find_containers(model, GPT_MAPPING)}
+    where = region_modules(model, GPT_MAPPING, find_containers(model, GPT_MAPPING))
     last = f"layers.{len(model.layers) - 1}"
     where = {r: [qn for qn in qns if qn != last and not qn.startswith(last + ".")] for r, qns in where.items()}
     undo = checkpoint_regions(model, where, tuple(checkpointed), tuple(selective))
@@ -375,7 +375,7 @@ def test_selective_checkpoint_runs_no_kept_module_again(gpt):
     """The MLP checkpointed keeping fc1: its recompute runs the activation alone, no matmul
     (fc2's is never run again: early stop); checkpointed in full, it runs fc1's again."""
     model = gpt[0]
-    where = {**{n: matching(model, p) for n, p in GPT_MAPPING.items()}, **find_containers(model, GPT_MAPPING)}
+    where = region_modules(model, GPT_MAPPING, find_containers(model, GPT_MAPPING))
 
     def backward_matmuls(selective):
         undo = checkpoint_regions(model, where, ("mlp",), selective)

@@ -97,6 +97,7 @@ class SavedModules:
 
     def __init__(self, modules: list[nn.Module]) -> None:
         self.depth = 0  # how many of the modules are running now (they may be nested)
+        self._aliases: dict[Any, bool] = {}  # op -> whether it returns a view or its input
         self._handles = [h for m in modules for h in (m.register_forward_pre_hook(self._enter),
                                                        m.register_forward_hook(self._leave, always_call=True))]
 
@@ -107,8 +108,12 @@ class SavedModules:
         self.depth -= 1
 
     def policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        aliases = any(r.alias_info is not None for r in op._schema.returns)
-        return CheckpointPolicy.MUST_SAVE if self.depth and not aliases else CheckpointPolicy.PREFER_RECOMPUTE
+        if not self.depth:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        aliases = self._aliases.get(op)
+        if aliases is None:
+            aliases = self._aliases[op] = any(r.alias_info is not None for r in op._schema.returns)
+        return CheckpointPolicy.PREFER_RECOMPUTE if aliases else CheckpointPolicy.MUST_SAVE
 
     def context(self) -> tuple[Any, Any]:
         return create_selective_checkpoint_contexts(self.policy)
@@ -124,6 +129,11 @@ def matching(model: nn.Module, pattern: str | list[str]) -> list[str]:
     patterns = [pattern] if isinstance(pattern, str) else list(pattern)
     hits = [qn for qn, _ in model.named_modules() if qn and any(fnmatch.fnmatchcase(qn, p) for p in patterns)]
     return [qn for qn in hits if not any(qn.startswith(h + ".") for h in hits)]
+
+
+def region_modules(model: nn.Module, mapping: dict[str, str], containers: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Every name of ``mapping`` and container of ``containers`` -> its modules' qualified names."""
+    return {**{n: matching(model, p) for n, p in mapping.items()}, **containers}
 
 
 def checkpoint_regions(model: nn.Module, where: dict[str, list[str]], checkpoint: tuple[str, ...],
@@ -168,7 +178,7 @@ class Applied:
         import offload as api
 
         self.engine = engine
-        where = {**{n: matching(model, p) for n, p in mapping.items()}, **containers}
+        where = region_modules(model, mapping, containers)
         self._restore = checkpoint_regions(model, where, checkpoint, selective)
         self.handle = None
         try:

@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_leaves
 from ..errors import OffloadValueError
 from ..policy import TensorPolicy
 from ..tools.boundaries import match_modules
-from ..tools.profile_modules import label
+from ..tools.profile_modules import engine_bytes, label
 
 
 def find_containers(model: nn.Module, mapping: dict[str, str]) -> dict[str, list[str]]:
@@ -86,14 +86,6 @@ def _key(t: torch.Tensor) -> int | None:
     return None
 
 
-def _engine_bytes(t: torch.Tensor) -> int:
-    """The bytes the engine would copy for ``t``: its whole storage when ``t`` covers at least
-    half of it, else its span (docs/design.md, *Views*)."""
-    span = (1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))) * t.element_size()
-    whole = t.untyped_storage().nbytes()
-    return whole if 2 * span >= whole else span
-
-
 def record(model: nn.Module, mapping: dict[str, str], containers: dict[str, list[str]],
            step: Callable[[], None], profile: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """Run ``step()`` once and return ``profile["regions"]`` (module docstring); adds the inputs
@@ -130,7 +122,7 @@ def record(model: nn.Module, mapping: dict[str, str], containers: dict[str, list
         return list(out.items())
 
     def unsaved(t: torch.Tensor, created_in: str | None) -> dict[str, Any]:
-        return {"bytes": _engine_bytes(t), "eligible": policy.admits(t), "savers": [], "shape": list(t.shape),
+        return {"bytes": engine_bytes(t), "eligible": policy.admits(t), "savers": [], "shape": list(t.shape),
                 "dtype": str(t.dtype).replace("torch.", ""), "created_in": created_in, "unsaved": True}
 
     def pre(module: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -52,6 +52,14 @@ def split_label(text: str) -> tuple[str, int]:
     return name, int(i)
 
 
+def engine_bytes(t: torch.Tensor) -> int:
+    """The bytes the engine would copy for ``t``: its whole storage when ``t`` covers at least
+    half of it, else its span (docs/design.md, *Views*)."""
+    span = (1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))) * t.element_size()
+    whole = t.untyped_storage().nbytes()
+    return whole if 2 * span >= whole else span
+
+
 def saver_name(saver: str) -> str:
     """The name of a saver label (`OTHER` for saves outside every named module)."""
     return OTHER if saver == OTHER else split_label(saver)[0]
@@ -187,8 +195,7 @@ def record_saved(work: Workload, min_tensor_bytes: int) -> tuple[list[dict[str, 
             if key in params:  # weights (and weight.t()) are not activation memory
                 return t
             here = stack[-1] if stack else OTHER
-            span = (1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))) * t.element_size()
-            nbytes = st.nbytes() if 2 * span >= st.nbytes() else span
+            nbytes = engine_bytes(t)
             if key not in created and here != OTHER and key not in inputs.get(here, set()):
                 created[key] = here
             rec = storages.setdefault(key, {"bytes": 0, "eligible": False, "savers": [],
