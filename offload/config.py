@@ -124,10 +124,12 @@ class OffloadConfig:
         max_pinned_bytes: a cap on the pinned host pool; past it tensors stay on the GPU (with
             one warning). ``None`` means no cap.
         copy_chunk_bytes: each tensor's copy is issued in pieces of at most this many bytes
-            (0: one copy per tensor). A copy engine serves the copies queued on it in order, so
-            a model's own small device-to-host copy (``.item()``, ``.tolist()``: MoE token counts)
-            that arrives during one large offload copy waits for all of it; with pieces it waits
-            for at most one piece (16 MiB: 0.3 ms at 55 GB/s).
+            (0: one copy per tensor); each piece is one more ``cudaMemcpyAsync`` call, about
+            5 us of host time. Pieces do not shorten a model's own host sync: a small
+            device-to-host copy (``.item()``, ``.tolist()``: MoE token counts) queued during an
+            offload waits for the rest of the queued transfer, pieces or not, because the copy
+            engine serves copies in the order they were queued (H100 measurements:
+            docs/results/copy_chunks.md).
         timing: record CUDA events around copies and waits so that statistics report copy
             bandwidth and the time the compute stream waited. Costs a few events per group.
         policy: which groups of the enabled names to offload, decided per group from its

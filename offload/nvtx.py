@@ -1,8 +1,8 @@
 """NVTX ranges for every offload and reload, named ``offload/<group label>`` and
 ``reload/<group label>`` (for example ``offload/core_attn/L3/mb2``), so an ``nsys`` timeline
 shows which copy belongs to which module. Uses the ``nvtx`` package when installed (nothing
-when no tool is attached), else ``torch.cuda.nvtx`` on CUDA builds, else nothing (a CPU build of
-torch raises on ``torch.cuda.nvtx``)."""
+when no tool is attached), else ``torch.cuda.nvtx`` where CUDA is available, else nothing (a
+CPU build of torch raises on ``torch.cuda.nvtx``); picked at the first range, not at import."""
 
 from __future__ import annotations
 
@@ -36,4 +36,21 @@ def _pick() -> tuple[Callable[[str], None], Callable[[], None]]:
     return _noop, _noop_pop
 
 
-push, pop = _pick()
+_backend: tuple[Callable[[str], None], Callable[[], None]] | None = None
+
+
+def push(message: str) -> None:
+    """Open the range ``message``. The first range picks the backend: importing ``offload``
+    must not query CUDA (that starts the driver, and a process forked afterwards cannot use it)."""
+    (_backend or _bind())[0](message)
+
+
+def pop() -> None:
+    """Close the innermost range."""
+    (_backend or _bind())[1]()
+
+
+def _bind() -> tuple[Callable[[str], None], Callable[[], None]]:
+    global _backend
+    _backend = _pick()
+    return _backend

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -441,6 +445,33 @@ def test_stats_per_name(configure):
     assert stats.iteration == 0 and offload.end_iteration().iteration == 1
     d = stats.as_dict()
     assert d["by_name"]["fc1"]["bytes_offloaded"] == fc1.bytes_offloaded and "d2h_gbps" in d["by_name"]["fc1"]
+
+
+_REFUSE_CUDA_QUERIES = """
+import torch
+def refuse(*args, **kwargs):
+    raise AssertionError("CUDA was queried")
+real = torch.cuda.is_available, torch.cuda.device_count
+torch.cuda.is_available = torch.cuda.device_count = refuse
+"""
+
+
+@pytest.mark.parametrize("control", [False, True])
+def test_importing_offload_queries_no_cuda(control):
+    """``import offload`` asks nothing of CUDA (a query starts the driver, and a process forked
+    afterwards, such as a fork server's workers, cannot use it); the NVTX backend is picked at
+    the first range. The control queries CUDA at import and must be caught."""
+    code = _REFUSE_CUDA_QUERIES + ("torch.cuda.is_available()\n" if control else "") + (
+        "import offload, offload.streams, offload.graphs, offload.planner\n"
+        "torch.cuda.is_available, torch.cuda.device_count = real\n"
+        "offload.nvtx.push('x'); offload.nvtx.pop()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    if control:
+        assert out.returncode != 0 and "CUDA was queried" in out.stderr
+    else:
+        assert out.returncode == 0, out.stderr
 
 
 def test_nvtx_ranges_named_after_group_layer_and_microbatch(configure, monkeypatch):
