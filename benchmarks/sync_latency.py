@@ -17,7 +17,7 @@ out beside it.
 
     python benchmarks/sync_latency.py
     python benchmarks/sync_latency.py --mib 256 --pieces 0 256 16 1
-    python benchmarks/sync_latency.py --pieces 0 96 --other-paths
+    python benchmarks/sync_latency.py --pieces 0 96 16 --other-paths
 """
 
 from __future__ import annotations
