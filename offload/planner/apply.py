@@ -144,17 +144,6 @@ def checkpoint_regions(model: nn.Module, where: dict[str, list[str]], checkpoint
     kept = [qn for n in selective for qn in where[n]]
     saved = SavedModules([model.get_submodule(qn) for qn in kept]) if kept else None
     undo = []
-    try:
-        for region in checkpoint:
-            for qn in where[region]:
-                selective_here = saved is not None and any(k.startswith(qn + ".") for k in kept)
-                undo.append(checkpoint_modules(model, [qn], saved.context if selective_here else None))
-    except BaseException:
-        for u in reversed(undo):
-            u()
-        if saved is not None:
-            saved.remove()
-        raise
 
     def restore() -> None:
         for u in reversed(undo):
@@ -163,6 +152,14 @@ def checkpoint_regions(model: nn.Module, where: dict[str, list[str]], checkpoint
         if saved is not None:
             saved.remove()
 
+    try:
+        for region in checkpoint:
+            for qn in where[region]:
+                selective_here = saved is not None and any(k.startswith(qn + ".") for k in kept)
+                undo.append(checkpoint_modules(model, [qn], saved.context if selective_here else None))
+    except BaseException:
+        restore()
+        raise
     return restore
 
 

@@ -205,15 +205,17 @@ def plan(model: nn.Module, mapping: Mapping[str, str] | str | list[str], step: C
         _apply(result, model, mapping, containers, engine)
         _active = result
         if check_steps:
-            result.measured = measure(step, check_steps, CHECK_WARMUP[device.type], cuda)
-            if cuda and replan:
-                def apply_plan(assignment: Assignment) -> None:
-                    result.applied.remove()
-                    result.assignment = assignment
-                    _apply(result, model, mapping, containers, engine)
+            def measure_plan() -> Measured:
+                return measure(step, check_steps, CHECK_WARMUP[device.type], cuda)
 
-                _check_and_replan(result, apply_plan,
-                                  lambda: measure(step, check_steps, CHECK_WARMUP[device.type], cuda), selective)
+            def apply_plan(assignment: Assignment) -> None:
+                result.applied.remove()
+                result.assignment = assignment
+                _apply(result, model, mapping, containers, engine)
+
+            result.measured = measure_plan()
+            if cuda and replan:
+                _check_and_replan(result, apply_plan, measure_plan, selective)
     if verbose:
         print(result.table())
     return result
