@@ -34,9 +34,8 @@ H100, Transformer Engine layer spec, bf16):
   (``--recompute-granularity full``, uniform, one layer per unit) without offloading, and its
   losses are compared with the same selective recompute without offloading.
 
-This library refuses Megatron's CUDA graphs next to ``--offload-modules`` for now
-(`offload.integrations.megatron.check_cuda_graphs`): its graph jobs are left out unless
-``--include-refused``, where they fail with that error.
+Both systems run the graph modes: this library captures its groups inside Megatron's
+Transformer Engine graphs (`offload.integrations.megatron_graphs`).
 """
 
 from __future__ import annotations
@@ -143,16 +142,15 @@ class Job:
         return out + list(self.extra)
 
 
-def build_jobs(workloads: list[Workload], systems: list[str], graphs: str = "all", include_refused: bool = False,
+def build_jobs(workloads: list[Workload], systems: list[str], graphs: str = "all",
                measured_steps: int = 20, extra: tuple[str, ...] = (), tag: str = "") -> list[Job]:
     """The jobs: each workload × system without graphs (``graphs`` ``all`` or ``none``), and with
-    each of the workload's graph modes (``all`` or ``only``) where the system runs them (this
-    library: only ``include_refused``)."""
+    each of the workload's graph modes (``all`` or ``only``)."""
     jobs = []
     for w in workloads:
         for system in systems:
             modes: list[tuple[str, str] | None] = [] if graphs == "only" else [None]
-            if graphs != "none" and (system == "megatron" or include_refused):
+            if graphs != "none":
                 modes += list(w.graphs)
             jobs += [Job(w, system, g, measured_steps, tuple(extra), tag) for g in modes]
     return jobs
@@ -301,8 +299,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of: offload, megatron")
     p.add_argument("--graphs", choices=["all", "none", "only"], default="all",
                    help="all: without and with each workload's CUDA-graph modes; none: without; only: with")
-    p.add_argument("--include-refused", action="store_true",
-                   help="also this library with Megatron's CUDA graphs (refused for now: these jobs fail)")
     p.add_argument("--measured-steps", type=int, default=20, help="timed steps per run, after the warm-up")
     p.add_argument("--extra", default="", help="appended to every run's arguments (e.g. '--fp8 current')")
     p.add_argument("--tag", default="", help="a variant's name: records say <workload>/<tag> (e.g. fp8-current)")
@@ -342,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         write_outputs(args.out, [], markdown)
         return 0
     jobs = build_jobs([WORKLOADS[w] for w in args.workloads.split(",")], args.systems.split(","), args.graphs,
-                      args.include_refused, args.measured_steps, tuple(shlex.split(args.extra)), args.tag)
+                      args.measured_steps, tuple(shlex.split(args.extra)), args.tag)
     example = shlex.split(args.example)
     if args.list:
         for job in jobs:

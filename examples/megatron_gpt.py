@@ -23,8 +23,9 @@ names mapped by `to_megatron_names`; it needs Transformer Engine >= 2.14 for CUD
 TE spec, and ``NVTE_CPU_OFFLOAD_V1=1``, set here before TE is imported, as Megatron-LM asks).
 ``--fp8 delayed|current`` trains under TE's delayed or current (``tensorwise``) scaling recipe;
 ``--recompute-granularity``/``--recompute-modules`` switch on Megatron's recompute;
-``--cuda-graph-impl``/``--cuda-graph-modules`` Megatron's CUDA graphs (this library refuses them
-next to ``--offload-modules`` for now; Megatron's own offloading runs with them).
+``--cuda-graph-impl``/``--cuda-graph-modules`` Megatron's CUDA graphs (``transformer_engine``:
+both systems run with them, this library capturing the names inside the graphs through
+``offload.graphs``; ``local``: Megatron's own offloading only, this library refuses it).
 
 Each run writes ``--json``: the device, the command, per-step losses (exact: ``float.hex``),
 a hash of the trained parameters, and per rank the peak memory (plus the CUDA graphs' private

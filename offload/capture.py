@@ -69,6 +69,7 @@ class CaptureSessions:
         self._reloads: list[Any] = []  # h2d events recorded in the session, joined at its end
         self._graveyard: list[OffloadGroup] = []  # retired during a capture: events die after it
         self._graph_handlers: list[ChunkOffloadHandler] = []
+        self.capture_stats: Any = None  # `IterationStats` of the last offload.graphs.make_graphed_callables
         self._carried: list[OffloadGroup] = []  # not yet copied at a region's end: Note [C1]
         self.plans: dict[Any, list[tuple[str, tuple[int, ...]]]] = {}
         self._regions: list[tuple[Any, list[tuple[str, tuple[int, ...]]]]] = []

@@ -113,14 +113,17 @@ def _through_edge(values: Any, on_backward: Callable[[], None]) -> Any:
     return torch.utils._pytree.tree_unflatten(leaves, spec)
 
 
-def _run_region(fn: Callable, key: Any, args: tuple) -> Any:
-    """``fn(*args)`` as the region ``key``, with edges that let its backward graph reload
-    before it needs the data and join its reloads before it ends (Note [C2])."""
-    captures = PipelineOffloadManager.get().captures
-    args = _through_edge(args, captures.join_backward)
+def _run_region(fn: Callable, key: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """``fn(*args, **kwargs)`` as the region ``key``, with edges that let its backward graph
+    reload before it needs the data and join its reloads before it ends (Note [C2])."""
+    manager = PipelineOffloadManager.get()
+    if manager.suspended:  # a graph API's own warm-up, after ours (`_capture`)
+        return fn(*args, **kwargs)
+    captures = manager.captures
+    args, kwargs = _through_edge((args, kwargs), captures.join_backward)
     captures.enter_region(key)
     try:
-        outputs = fn(*args)
+        outputs = fn(*args, **kwargs)
     finally:
         handler = captures.exit_region(key)
     return _through_edge(outputs, lambda: captures.prefetch_region(handler))
@@ -136,8 +139,8 @@ class _RegionModule(torch.nn.Module):
         self.module = module
         self._keys = itertools.cycle(keys)
 
-    def forward(self, *args: Any) -> Any:
-        return _run_region(self.module, next(self._keys), args)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return _run_region(self.module, next(self._keys), args, kwargs)
 
 
 def _as_region(fn: Callable, key: Any, passes: int = 1) -> Callable:
@@ -148,8 +151,8 @@ def _as_region(fn: Callable, key: Any, passes: int = 1) -> Callable:
         return _RegionModule(fn, keys)
     turns = itertools.cycle(keys)
 
-    def run(*args: Any) -> Any:
-        return _run_region(fn, next(turns), args)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return _run_region(fn, next(turns), args, kwargs)
 
     return run
 
@@ -184,7 +187,8 @@ def _forward_passes(order: Sequence[float], callables: int, samples: int,
     return passes, microbatches
 
 
-def _prepare(callables: Sequence[Callable], sample_args: Sequence[tuple], iterations: int) -> None:
+def _prepare(callables: Sequence[Callable], sample_args: Sequence[tuple], sample_kwargs: Sequence[dict],
+             iterations: int) -> None:
     """The warm-up, ours rather than the graph API's: ``iterations`` eager passes over the
     forward passes (every forward, then every backward in reverse) on a side stream, as
     torch's own warm-up does. Each region records its plan, the pinned pool ends up holding a
@@ -195,10 +199,11 @@ def _prepare(callables: Sequence[Callable], sample_args: Sequence[tuple], iterat
     with torch.cuda.stream(torch.cuda.Stream()):
         for _ in range(max(1, iterations)):
             runs = []
-            for fn, args in zip(callables, sample_args):
-                outputs = tuple(o for o in torch.utils._pytree.tree_leaves(fn(*args))
+            for fn, args, kwargs in zip(callables, sample_args, sample_kwargs):
+                outputs = tuple(o for o in torch.utils._pytree.tree_leaves(fn(*args, **kwargs))
                                 if isinstance(o, torch.Tensor) and o.requires_grad)
-                surface = tuple(a for a in args if isinstance(a, torch.Tensor) and a.requires_grad)
+                surface = tuple(a for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                                if isinstance(a, torch.Tensor) and a.requires_grad)
                 if isinstance(fn, torch.nn.Module):
                     surface += tuple(p for p in fn.parameters() if p.requires_grad)
                 runs.append((outputs, surface))
@@ -226,9 +231,10 @@ def make_graphed_callables(
     eager passes (our warm-up; the API runs one of its own) record the regions' plans and size
     the pinned pool; then ``graph_api`` (default ``torch.cuda.make_graphed_callables``; pass
     ``transformer_engine.pytorch.make_graphed_callables`` for TE) captures them, with
-    ``graph_kwargs`` passed through. With TE's ``_order`` (per-microbatch graphs in pipeline
-    order, as Megatron builds them), each callable's run for each microbatch is a region of
-    its own (`_forward_passes`); the captures then follow ``_order``, and so must the replays.
+    ``graph_kwargs`` passed through (TE's ``sample_kwargs``, one dict per ``sample_args`` tuple,
+    go to our warm-up too). With TE's ``_order`` (per-microbatch graphs in pipeline order, as
+    Megatron builds them), each callable's run for each microbatch is a region of its own
+    (`_forward_passes`); the captures then follow ``_order``, and so must the replays.
     Where the API takes a ``pre_warmup_hook`` (TE's), our warm-up runs in it, so under the
     autocast TE wraps the callables in (FP8 saves other tensors than bf16 does). Returns what
     ``graph_api`` returns, for the wrapped callables (call those, not the originals). Modules
@@ -238,8 +244,6 @@ def make_graphed_callables(
     single = callable(callables) and not isinstance(callables, (tuple, list))
     fns = (callables,) if single else tuple(callables)
     args = (sample_args,) if single else tuple(sample_args)
-    if not torch.cuda.is_available():
-        raise OffloadError("offload: CUDA graphs need a CUDA device")
     order = graph_kwargs.get("_order")
     if order is None:
         if len(fns) != len(args):
@@ -248,6 +252,37 @@ def make_graphed_callables(
     else:  # TE: each callable runs once per microbatch, and each run is a region of its own
         passes, microbatches = _forward_passes(order, len(fns), len(args),
                                               graph_kwargs.get("_num_layers_per_chunk"))
+    kwargs = graph_kwargs.get("sample_kwargs")
+    if kwargs is None:
+        kwargs = tuple({} for _ in args)
+    elif single and isinstance(kwargs, dict):
+        kwargs = (kwargs,)
+    else:
+        kwargs = tuple(kwargs)
+    if len(kwargs) != len(args) or not all(isinstance(k, dict) for k in kwargs):
+        raise OffloadError(f"offload: sample_kwargs must be one dict per sample_args tuple ({len(args)}); "
+                           f"got {graph_kwargs.get('sample_kwargs')!r:.200}")
+    if not torch.cuda.is_available():
+        raise OffloadError("offload: CUDA graphs need a CUDA device")
+    manager = PipelineOffloadManager.get()
+    schedule = manager.schedule
+    if schedule is not None:
+        manager.set_schedule(None)  # the warm-up and captures run outside the training schedule
+    suspended = manager.suspended
+    try:
+        return _capture(fns, args, kwargs, single, passes, microbatches, graph_api, graph_kwargs)
+    finally:
+        manager.suspended = suspended  # also where the API failed between its warm-up hooks
+        # the captures were an iteration of their own: its statistics stay readable
+        manager.captures.capture_stats = manager.end_iteration(check_names=False)
+        if schedule is not None:
+            manager.set_schedule(schedule.order)
+
+
+def _capture(fns: tuple, args: tuple, kwargs: tuple, single: bool, passes: list[int], microbatches: int,
+             graph_api: Callable | None, graph_kwargs: dict[str, Any]) -> Any:
+    """`make_graphed_callables` past its checks: regions, our warm-up, the API's capture."""
+    manager = PipelineOffloadManager.get()
     base = next(_region_ids)
     wrapped = tuple(_as_region(fn, ("graphed", base, i), microbatches) for i, fn in enumerate(fns))
     api = graph_api if graph_api is not None else torch.cuda.make_graphed_callables
@@ -255,24 +290,36 @@ def make_graphed_callables(
     iterations = graph_kwargs.pop("num_warmup_iters", 3)
 
     def warm_up() -> None:
-        _prepare([wrapped[i] for i in passes], args, iterations)
+        _prepare([wrapped[i] for i in passes], args, kwargs, iterations)
 
     try:
-        takes_hook = "pre_warmup_hook" in inspect.signature(api).parameters
+        takes = inspect.signature(api).parameters
     except (TypeError, ValueError):  # a callable without a signature Python can read
-        takes_hook = False
-    if takes_hook:
-        user_hook = graph_kwargs.pop("pre_warmup_hook", None)
+        takes = {}
+    if "pre_warmup_hook" in takes:
+        user_pre = graph_kwargs.pop("pre_warmup_hook", None)
+        suspend = "post_warmup_hook" in takes
 
         def pre_warmup_hook() -> None:
-            if user_hook is not None:
-                user_hook()
+            if user_pre is not None:
+                user_pre()
             warm_up()
+            if suspend:  # the API's own warm-up runs without offloading: its handlers would
+                manager.suspended += 1  # hold pinned buffers the captures need (`_prepare` sized the pool)
 
         graph_kwargs["pre_warmup_hook"] = pre_warmup_hook
+        if suspend:
+            user_post = graph_kwargs.pop("post_warmup_hook", None)
+
+            def post_warmup_hook() -> None:
+                manager.suspended -= 1
+                if user_post is not None:
+                    user_post()
+
+            graph_kwargs["post_warmup_hook"] = post_warmup_hook
     else:
         warm_up()
     # torch's API needs no warm-up after ours; Transformer Engine's records per-callable state
-    # in its own (its handlers are retired when the first capture begins).
+    # in its own (which runs with the engine suspended, above).
     return api(wrapped[0] if single else wrapped, args[0] if single else args,
                num_warmup_iters=0 if own_api else 1, **graph_kwargs)

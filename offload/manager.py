@@ -82,6 +82,7 @@ class PipelineOffloadManager:
         self.declared_names: set[str] = set()
         self._names_checked = False
         self.hook_calls = 0  # saved-tensor hook calls, ever (a graph replay makes none)
+        self.suspended = 0  # > 0: no group opens (a graph API's own warm-up, after offload.graphs' one)
 
     # ------------------------------------------------------------------ framework entry points
     def begin_chunk(self, chunk_id: int = 0, microbatch: int | None = None) -> None:
@@ -152,9 +153,9 @@ class PipelineOffloadManager:
     # ------------------------------------------------------------------ group boundaries
     def open_group(self, name: str) -> OffloadGroup | None:
         """Start the group ``name``; returns ``None`` when it does not offload: the name is
-        not enabled, no autograd graph is being recorded, a recompute runs inside backward,
-        the group is inside a ``torch.utils.checkpoint`` region (whose tensors are recomputed,
-        not saved), or the group policy declines it."""
+        not enabled, no autograd graph is being recorded, the engine is ``suspended``, a
+        recompute runs inside backward, the group is inside a ``torch.utils.checkpoint`` region
+        (whose tensors are recomputed, not saved), or the group policy declines it."""
         check_str(name, "a group name")
         if name in self._names_open:
             raise OffloadError(
@@ -169,7 +170,7 @@ class PipelineOffloadManager:
             raise
 
     def _open_enabled(self, name: str) -> OffloadGroup | None:
-        if name not in self.config.enabled or not torch.is_grad_enabled():
+        if name not in self.config.enabled or not torch.is_grad_enabled() or self.suspended:
             return None
         if torch.compiler.is_compiling():
             raise OffloadError(
@@ -316,8 +317,7 @@ class PipelineOffloadManager:
             self.captures.note_reload(group.h2d_done)
 
     def _check_names(self) -> None:
-        """Raise `UnknownModuleError` for a configured name no attached module or opened group
-        has, at each call until all are known (from `attach`'s hooks and `end_iteration`)."""
+        """Raise `UnknownModuleError` for a configured name no attached module or group has yet."""
         if self._names_checked or not self.config.modules or not self.declared_names:
             return
         check_known(

@@ -545,7 +545,7 @@ def test_several_layers_per_graph_with_slowed_copies_bitwise(configure, monkeypa
     sample = tuple((torch.randn(SEQ, BATCH, HIDDEN, device="cuda", requires_grad=True),) for _ in blocks)
     fns = offload.graphs.make_graphed_callables(blocks, sample)
     _assert_captured(manager, len(layers), KEPT_TWO_LAYER_GRAPH if per_graph == 2 else None)
-    prefetched = sum(s.reloads_prefetched for s in manager.stats.by_name.values())
+    prefetched = sum(s.reloads_prefetched for s in manager.captures.capture_stats.by_name.values())
     assert prefetched > 0, "the backward graphs reload before they need the data"
     for seed in range(3):
         data = _inputs(seed, microbatches=1)

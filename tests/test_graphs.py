@@ -190,6 +190,68 @@ def test_region_module_takes_its_keys_in_turn(setup):
     assert manager.captures.plans[("L", 0)] == manager.captures.plans[("L", 1)]
 
 
+class _Scaled(torch.nn.Module):
+    """A layer that takes a keyword argument, as Megatron's layers take ``attention_mask``."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
+        return self.layer(x) * scale
+
+
+def test_region_passes_keyword_arguments_and_their_gradients(setup):
+    """A graphed callable's keyword arguments (TE's ``sample_kwargs``) reach the callable, and
+    a keyword tensor that needs a gradient gets the same one as without the region."""
+    layer, ref, manager = setup
+    region = offload.graphs._as_region(_Scaled(layer), "K")
+    plain = _Scaled(ref)
+    for seed in range(2):
+        x, g = seeded_pair(seed, 8, 2, 32)
+        results = []
+        for fn in (region, plain):
+            fn_x = x.detach().requires_grad_(True)
+            scale = torch.full((32,), 0.5 + seed, requires_grad=True)
+            fn(fn_x, scale=scale).backward(g)
+            results.append((fn_x.grad, scale.grad))
+        offload.end_iteration()
+        assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert list(manager.captures.plans) == ["K"] and manager.captures.plans["K"]
+
+
+def test_a_suspended_engine_opens_no_group_and_its_regions_plan_nothing(setup):
+    """While a graph API runs its own warm-up after ours (``manager.suspended``), the regions
+    run their callables as they are: no group opens, no plan is recorded or overwritten, the
+    gradients are the plain ones."""
+    layer, ref, manager = setup
+    region = offload.graphs._as_region(layer, "S")
+    x, g = seeded_pair(0, 8, 2, 32)
+    manager.suspended += 1
+    try:
+        out, grads = _step(region, x, g)
+    finally:
+        manager.suspended -= 1
+    stats = manager.end_iteration(check_names=False)
+    assert "S" not in manager.captures.plans and not stats.by_name
+    ref_out, ref_grads = _step(ref, x, g)
+    grads = {n.removeprefix("module."): t for n, t in grads.items()}
+    assert torch.equal(out, ref_out) and grads.keys() == ref_grads.keys()
+    assert all(torch.equal(grads[n], ref_grads[n]) for n in ref_grads)
+    _step(region, x, g)  # and resumed, the region plans again
+    offload.end_iteration()
+    assert manager.captures.plans["S"]
+
+
+def test_sample_kwargs_must_be_one_dict_per_sample(setup):
+    layer, _, _ = setup
+    x = torch.randn(8, 2, 32)
+    with pytest.raises(OffloadError, match=r"sample_kwargs must be one dict per sample_args tuple \(2\)"):
+        offload.graphs.make_graphed_callables([layer, layer], [(x,), (x,)], sample_kwargs=[{}])
+    with pytest.raises(OffloadError, match="sample_kwargs must be one dict per sample_args tuple"):
+        offload.graphs.make_graphed_callables([layer], [(x,)], sample_kwargs=[None])
+
+
 def test_changed_shape_under_capture_raises(setup):
     layer, _, manager = setup
     _step(layer, *seeded_pair(0, 8, 2, 32), key="L0")

@@ -105,11 +105,13 @@ Megatron runs a recomputed region under ``torch.no_grad`` (``tensor_parallel.che
   projections offload.
 * Full recompute makes every group of a recomputed layer inert.
 
-Megatron's CUDA graphs are refused with the flag and the names involved (`check_cuda_graphs`):
-a replayed graph runs without the engine's hooks, and next to partial graphs (attention
-graphed, MoE eager) the capture runs layers outside the offload schedule; both await the
-CUDA-graph support of the engine's graph path. Megatron's own fine-grained offloading and its
-layer-level ``cpu_offloading`` are refused: they hook the same saved tensors.
+Megatron's CUDA graphs (`offload.integrations.megatron_graphs`): with ``--cuda-graph-impl
+transformer_engine`` (whole layers, or ``--cuda-graph-modules attn`` and the other partial
+scopes) `apply` routes Megatron's capture through ``offload.graphs``: the names inside the
+graphs are captured, those in the eager part offload eagerly. ``local`` and
+``full_iteration`` are refused with the flag and the names involved (`check_cuda_graphs`).
+Megatron's own fine-grained offloading and its layer-level ``cpu_offloading`` are refused: they
+hook the same saved tensors.
 
 Versions. Tested with megatron-core 0.16.1 (CPU, CI) and 0.19.2 (GPU). What differs between
 them is handled here: the schedules' keyword arguments (0.19 adds ``pg_collection`` paths and
@@ -145,6 +147,8 @@ from offload.regions import exact_pattern
 from offload.planner.budget import Budget
 from offload.schedules import schedule_table, table_to_order
 from offload.stats import IterationStats
+
+from .megatron_graphs import CudaGraphMode, check_cuda_graphs, cuda_graph_mode, route_te_graphs
 
 if TYPE_CHECKING:
     from .megatron_plan import AutoSettings
@@ -475,130 +479,6 @@ def _check_recompute(config: Any, names: list[str], found: Sequence[ChunkModules
         )
 
 
-# Which offload names each per-layer capture region of Megatron's CUDA graphs contains
-# (TransformerLayer._forward_attention: input_layernorm .. self_attn_bda; _forward_mlp:
-# pre_mlp_layernorm .. mlp_bda, or up to the router for moe_router).
-_GRAPH_REGIONS: dict[str, tuple[str, ...]] = {
-    "attn": ("attn_norm", "qkv_linear", "core_attn", "attn_proj"),
-    "mlp": ("mlp_norm",) + _DENSE_MLP_NAMES,
-    "moe": ("mlp_norm",) + _MOE_NAMES,
-    "moe_router": ("mlp_norm", "router"),
-    "moe_preprocess": (),
-    "mamba": (),
-}
-
-
-@dataclass(frozen=True)
-class CudaGraphMode:
-    """Megatron's CUDA-graph setting, as `cuda_graph_mode` reads it from a config.
-
-    ``impl``: ``local``, ``transformer_engine`` or ``full_iteration``; ``modules``: the per-layer
-    capture regions (``attn``, ``mlp``, ``moe``, ``moe_router``, ``moe_preprocess``, ``mamba``),
-    empty for whole layers; ``whole_iteration``: one graph for the whole forward and backward;
-    ``flags``: the command-line flags that set it, for messages.
-    """
-
-    impl: str
-    modules: tuple[str, ...]
-    whole_iteration: bool
-    flags: str
-
-    @property
-    def label(self) -> str:
-        """``full_iteration``, ``<impl>:layer`` (whole layers) or ``<impl>:<region>+<region>``."""
-        if self.whole_iteration:
-            return "full_iteration"
-        return f"{self.impl}:{'+'.join(self.modules) or 'layer'}"
-
-    def captured(self, names: Iterable[str]) -> list[str]:
-        """Those of ``names`` whose modules run inside the graphs."""
-        if self.whole_iteration or not self.modules:
-            return list(names)
-        inside: set[str] = set()
-        for region in self.modules:
-            inside.update(_GRAPH_REGIONS.get(region, tuple(NAMES)))  # a region we do not know: all
-        return [n for n in names if n in inside]
-
-
-def _region_names(value: Any) -> list[str]:
-    """Capture regions from a config value: a list of enums or strings, a comma-separated
-    string, or ``"full"``/empty (whole layers)."""
-    if value is None:
-        return []
-    items = value if isinstance(value, (list, tuple)) else [value]
-    out: list[str] = []
-    for item in items:
-        if isinstance(item, str):
-            out.extend(part.strip() for part in item.split(",") if part.strip())
-        else:
-            out.append(str(getattr(item, "name", item)))
-    return [] if out == ["full"] else out
-
-
-def cuda_graph_mode(config: Any) -> CudaGraphMode | None:
-    """Megatron's CUDA-graph setting in ``config`` (a ``TransformerConfig`` of megatron-core 0.16
-    or 0.19, or Megatron-LM's args), or ``None`` when CUDA graphs are off.
-
-    0.16 reads ``cuda_graph_impl`` (none, local, transformer_engine) and ``cuda_graph_scope``
-    (``full_iteration`` there means one graph per iteration, with local); 0.19 adds the impl
-    ``full_iteration`` and names the regions ``cuda_graph_modules`` (``cuda_graph_scope`` is its
-    deprecated alias). The deprecated ``enable_cuda_graph`` and ``external_cuda_graph`` mean
-    local and transformer_engine.
-    """
-    impl = getattr(config, "cuda_graph_impl", None) or "none"
-    impl_flag = f"--cuda-graph-impl {impl}"
-    if impl == "none":
-        if getattr(config, "enable_cuda_graph", False):
-            impl, impl_flag = "local", "--enable-cuda-graph (= --cuda-graph-impl local)"
-        elif getattr(config, "external_cuda_graph", False):
-            impl, impl_flag = "transformer_engine", "--external-cuda-graph (= --cuda-graph-impl transformer_engine)"
-        else:
-            return None
-    if hasattr(config, "cuda_graph_modules"):  # 0.19
-        flag, regions = "--cuda-graph-modules", _region_names(config.cuda_graph_modules)
-        if not regions and getattr(config, "cuda_graph_scope", None) is not None:
-            flag, regions = "--cuda-graph-scope", _region_names(config.cuda_graph_scope)
-    else:  # 0.16
-        flag, regions = "--cuda-graph-scope", _region_names(getattr(config, "cuda_graph_scope", None))
-    flags = f"{impl_flag} {flag} {','.join(regions)}" if regions else impl_flag
-    whole_iteration = impl == "full_iteration" or "full_iteration" in regions
-    regions = [r for r in regions if r != "full_iteration"]
-    return CudaGraphMode(impl=impl, modules=tuple(regions), whole_iteration=whole_iteration, flags=flags)
-
-
-def check_cuda_graphs(config: Any, names: Iterable[str]) -> None:
-    """Raise `OffloadError` when ``config`` switches on Megatron's CUDA graphs while ``names``
-    are offloaded, naming the flags, the names inside the graphs and those outside them.
-
-    None of Megatron's graph modes works with this integration yet: a replayed graph runs
-    without the engine's hooks (names inside it would neither offload nor reload), and where
-    the graphs cover only part of a layer, their capture and warm-up run the layers outside
-    Megatron's schedule, which the engine's order does not know.
-    """
-    names = list(names)
-    mode = cuda_graph_mode(config)
-    if mode is None or not names:
-        return
-    if mode.whole_iteration:
-        what = "one graph for the whole forward and backward of an iteration"
-    elif not mode.modules:
-        what = "one graph per transformer layer, the whole layer"
-    else:
-        what = f"graphs of {', '.join(mode.modules)} in each transformer layer, the rest eager"
-    captured = mode.captured(names)
-    eager = [n for n in names if n not in captured]
-    parts = [f"offload: Megatron's CUDA graphs are on ({mode.flags}: {what})."]
-    if captured:
-        parts.append(f"Inside the graphs: {', '.join(captured)}; a replayed graph runs without the "
-                     "offload hooks, so their groups would neither offload nor reload.")
-    if eager:
-        parts.append(f"Outside them: {', '.join(eager)}; offloading next to Megatron's graphs is not "
-                     "supported yet either (their capture and warm-up run the layers outside "
-                     "Megatron's schedule).")
-    parts.append("Use --cuda-graph-impl none with --offload-modules, or drop --offload-modules.")
-    raise OffloadError(" ".join(parts))
-
-
 def to_megatron_names(names: str | Iterable[str], found: Sequence[ChunkModules] = ()) -> list[str]:
     """``names`` for Megatron's own offloading (``TransformerConfig.offload_modules`` with
     ``fine_grained_activation_offloading=True``), which must mean the same modules there.
@@ -871,7 +751,7 @@ class MegatronOffload:
         self.found: list[ChunkModules] = []
         self._hooks: list[Any] = []
         self._attached: list[Any] = []
-        self._undo: list[Callable[[], None]] = []  # the plan's checkpointed forwards
+        self._undo: list[Callable[[], None]] = []  # the plan's checkpoints; the routing of Megatron's TE graphs
 
     @property
     def enabled(self) -> bool:
@@ -959,7 +839,8 @@ class MegatronOffload:
         return run
 
     def remove(self) -> None:
-        """Take every hook and the plan's checkpoints away again (the engine stays configured)."""
+        """Take every hook, the plan's checkpoints and the routing of Megatron's TE graphs away
+        again (the engine stays configured)."""
         for handle in self._attached:
             handle.remove()
         for h in self._hooks:
@@ -1089,7 +970,9 @@ def apply(
     stages, in order), wrapped (DDP, ``Float16Module``) or not. ``policy`` is a
     `parse_policy` string or a `GroupPolicy`. Raises `UnknownModuleError` for a name that is
     not in `NAMES` or not in this model, `OffloadError` for a conflicting Megatron option
-    (`check_compatible`). Then wrap the ``forward_backward_func`` with ``.wrap(...)``.
+    (`check_compatible`). Then wrap the ``forward_backward_func`` with ``.wrap(...)``. With
+    Megatron's ``--cuda-graph-impl transformer_engine``, its ``TECudaGraphHelper`` captures
+    through ``offload.graphs`` until `MegatronOffload.remove` (`megatron_graphs.route_te_graphs`).
 
     ``modules="auto"`` with ``memory_budget`` (`offload.Budget`'s forms) checks the model and
     its config at once (`megatron_plan.check_auto`, `megatron_plan.plan_mapping`) and attaches nothing: the wrapped
@@ -1110,10 +993,13 @@ def apply(
         settings = megatron_plan.auto_settings(chunks, found, budget, min_tensor_bytes=min_tensor_bytes, device=device,
                                                bandwidth=bandwidth, check_steps=check_steps, verbose=verbose)
         return MegatronOffload((), settings)
+    graphed = False  # Megatron's TE graphs, to be captured through offload.graphs
     for chunk in chunks:
         config = getattr(unwrap(chunk), "config", None)
         if config is not None:
             check_compatible(config, names, found)
+            mode = cuda_graph_mode(config)
+            graphed |= bool(names) and mode is not None and mode.through_offload
     if isinstance(policy, str) or policy is None:
         policy = parse_policy(policy)
     handle = MegatronOffload(names)
@@ -1124,6 +1010,8 @@ def apply(
         for i, chunk in enumerate(chunks):
             handle.attach_chunk(chunk, i, found[i])
         handle.check_names_exist()
+        if graphed:
+            handle._undo.append(route_te_graphs())
     except BaseException:
         handle.remove()
         raise

@@ -51,13 +51,14 @@ def _run(loss_hex, step_ms, peak, pools=0, ok=True, device="NVIDIA H100 80GB HBM
 def test_jobs_cover_each_workload_and_system_with_megatrons_graph_modes(h2h):
     jobs = h2h.build_jobs(list(h2h.WORKLOADS.values()), ["offload", "megatron"])
     keys = [j.key for j in jobs]
-    assert keys == ["dsv3_proxy-offload-none", "dsv3_proxy-megatron-none",
-                    "dsv3_proxy-megatron-transformer_engine-attn",
-                    "dense_16k-offload-none", "dense_16k-megatron-none", "dense_16k-megatron-transformer_engine-attn",
+    assert keys == ["dsv3_proxy-offload-none", "dsv3_proxy-offload-transformer_engine-attn",
+                    "dsv3_proxy-megatron-none", "dsv3_proxy-megatron-transformer_engine-attn",
+                    "dense_16k-offload-none", "dense_16k-offload-transformer_engine-attn",
+                    "dense_16k-offload-transformer_engine-layer",
+                    "dense_16k-megatron-none", "dense_16k-megatron-transformer_engine-attn",
                     "dense_16k-megatron-transformer_engine-layer",
                     "moe_act_vs_full_recompute-offload-none", "moe_act_vs_full_recompute-megatron-none"]
-    refused = h2h.build_jobs([h2h.WORKLOADS["dense_16k"]], ["offload"], include_refused=True)
-    labels = [h2h.graph_label(j.graph) for j in refused]
+    labels = [h2h.graph_label(j.graph) for j in h2h.build_jobs([h2h.WORKLOADS["dense_16k"]], ["offload"])]
     assert labels == ["none", "transformer_engine:attn", "transformer_engine:layer"]
     assert len(h2h.build_jobs(list(h2h.WORKLOADS.values()), ["megatron"], graphs="none")) == 3
     only = h2h.build_jobs(list(h2h.WORKLOADS.values()), ["offload", "megatron"], graphs="only")
@@ -145,6 +146,8 @@ def test_list_prints_each_run_and_runs_nothing(h2h, tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == [
         "dense_16k-offload-none baseline", "dense_16k-offload-none offload",
+        "dense_16k-offload-transformer_engine-attn baseline", "dense_16k-offload-transformer_engine-attn offload",
+        "dense_16k-offload-transformer_engine-layer baseline", "dense_16k-offload-transformer_engine-layer offload",
         "moe_act_vs_full_recompute-offload-none baseline", "moe_act_vs_full_recompute-offload-none reference",
         "moe_act_vs_full_recompute-offload-none offload"]
     assert lines[1].endswith("python examples/megatron_gpt.py --model dense_16k --system offload --steps 22 "
@@ -155,7 +158,7 @@ def test_list_prints_each_run_and_runs_nothing(h2h, tmp_path, capsys):
 def test_a_failed_run_exits_1_and_writes_no_record(h2h, tmp_path, capsys):
     failing = f"{sys.executable} -c 'import sys; sys.exit(3)'"
     out = tmp_path / "h2h.json"
-    rc = h2h.main(["--workloads", "dense_16k", "--systems", "offload", "--example", failing,
+    rc = h2h.main(["--workloads", "dense_16k", "--systems", "offload", "--graphs", "none", "--example", failing,
                    "--runs-dir", str(tmp_path / "runs"), "--out", str(out), "--markdown", "-"])
     assert rc == 1
     assert json.loads(out.read_text()) == []
@@ -165,7 +168,8 @@ def test_a_failed_run_exits_1_and_writes_no_record(h2h, tmp_path, capsys):
 def test_one_job_end_to_end_on_the_cpu(h2h, tmp_path):
     out, doc = tmp_path / "h2h.json", tmp_path / "megatron.md"
     doc.write_text(f"{h2h.MARKERS[0]}\n{h2h.MARKERS[1]}\n")
-    rc = h2h.main(["--workloads", "dense_16k", "--systems", "offload", "--measured-steps", "2", "--extra", TINY,
+    rc = h2h.main(["--workloads", "dense_16k", "--systems", "offload", "--graphs", "none", "--measured-steps", "2",
+                   "--extra", TINY,
                    "--example", CPU_EXAMPLE, "--runs-dir", str(tmp_path / "runs"), "--out", str(out),
                    "--markdown", str(doc)])
     assert rc == 0

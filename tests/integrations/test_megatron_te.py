@@ -175,43 +175,107 @@ def _v16(impl: str, scope, **kw) -> SimpleNamespace:
 @pytest.mark.parametrize("config, names, label, expected", [
     (_v16("local", []), "core_attn", "local:layer",
      [r"\(--cuda-graph-impl local: one graph per transformer layer, the whole layer\)",
-      "Inside the graphs: core_attn;"]),
-    (_v16("transformer_engine", "attn"), "core_attn,expert_fc1", "transformer_engine:attn",
-     [r"--cuda-graph-impl transformer_engine --cuda-graph-scope attn: graphs of attn", "Inside the graphs: core_attn;",
-      "Outside them: expert_fc1;"]),
-    (_v19("transformer_engine", [_Module.attn, _Module.moe_router]), "mlp_norm,router,expert_fc1,moe_act",
-     "transformer_engine:attn+moe_router",
-     [r"--cuda-graph-modules attn,moe_router", "Inside the graphs: mlp_norm, router;",
-      "Outside them: expert_fc1, moe_act;"]),
-    (_v19("transformer_engine", ["mlp"]), "qkv_linear", "transformer_engine:mlp",
-     ["Outside them: qkv_linear;", "not supported yet"]),
+      "Inside the graphs: core_attn."]),
+    (_v19("local", [_Module.attn]), "core_attn,expert_fc1", "local:attn",
+     [r"--cuda-graph-impl local --cuda-graph-modules attn: graphs of attn", "Inside the graphs: core_attn.",
+      "Outside them: expert_fc1."]),
     (_v19("full_iteration", []), "fc1", "full_iteration",
-     [r"\(--cuda-graph-impl full_iteration: one graph for the whole forward and backward", "Inside the graphs: fc1;"]),
+     [r"\(--cuda-graph-impl full_iteration: one graph for the whole forward and backward", "Inside the graphs: fc1."]),
     (_v16("local", "full_iteration"), "fc1", "full_iteration",
      ["--cuda-graph-scope full_iteration: one graph for the whole forward and backward"]),
     (_v19("none", "full", enable_cuda_graph=True), "fc1", "local:layer",
      [r"--enable-cuda-graph \(= --cuda-graph-impl local\)"]),
-    (_v16("none", [], external_cuda_graph=True), "fc1", "transformer_engine:layer",
-     [r"--external-cuda-graph \(= --cuda-graph-impl transformer_engine\)"]),
-], ids=["016-local-layer", "016-te-attn", "019-te-attn-router", "019-te-mlp", "019-full-iteration",
-        "016-local-full-iteration", "enable-cuda-graph", "external-cuda-graph"])
-def test_cuda_graph_refusals_name_the_flags_and_where_each_name_runs(mg, config, names, label, expected):
+], ids=["016-local-layer", "019-local-attn", "019-full-iteration", "016-local-full-iteration", "enable-cuda-graph"])
+def test_megatrons_own_graph_runners_are_refused_naming_the_flags_and_where_each_name_runs(mg, config, names, label,
+                                                                                           expected):
     assert mg.cuda_graph_mode(config).label == label
     with pytest.raises(OffloadError) as info:
         mg.check_compatible(config, names.split(","))
     for pattern in expected:
         assert re.search(pattern, str(info.value)), (pattern, str(info.value))
-    assert "Use --cuda-graph-impl none with --offload-modules" in str(info.value)
+    assert "Use --cuda-graph-impl transformer_engine" in str(info.value)
+
+
+@pytest.mark.parametrize("config, names, label, inside", [
+    (_v16("transformer_engine", "attn"), "core_attn,expert_fc1", "transformer_engine:attn", ["core_attn"]),
+    (_v19("transformer_engine", [_Module.attn, _Module.moe_router]), "mlp_norm,router,expert_fc1,moe_act",
+     "transformer_engine:attn+moe_router", ["mlp_norm", "router"]),
+    (_v19("transformer_engine", ["mlp"]), "qkv_linear,fc1", "transformer_engine:mlp", ["fc1"]),
+    (_v19("transformer_engine", []), "qkv_linear,fc1", "transformer_engine:layer", ["qkv_linear", "fc1"]),
+    (_v16("none", [], external_cuda_graph=True), "fc1", "transformer_engine:layer", ["fc1"]),
+], ids=["016-te-attn", "019-te-attn-router", "019-te-mlp", "019-te-layer", "external-cuda-graph"])
+def test_transformer_engine_graphs_pass_the_check(mg, config, names, label, inside):
+    mode = mg.check_cuda_graphs(config, names.split(","))
+    assert mode.label == label and mode.through_offload
+    assert mode.captured(names.split(",")) == inside
+    mg.check_compatible(config, names.split(","))
+
+
+@pytest.mark.parametrize("field, flag", [("overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm"),
+                                         ("delay_wgrad_compute", "--delay-wgrad-compute")])
+def test_transformer_engine_graphs_with_split_weight_gradients_are_refused(mg, field, flag):
+    config = _v19("transformer_engine", [_Module.attn], **{field: True})
+    assert mg.check_cuda_graphs(config, []) is None  # nothing offloaded: nothing to refuse
+    with pytest.raises(OffloadError, match=rf"\(--cuda-graph-impl transformer_engine --cuda-graph-modules attn\) "
+                                           rf"with {flag} split each layer's backward graph"):
+        mg.check_compatible(config, ["core_attn"])
 
 
 def test_cuda_graphs_off_pass_and_a_real_config_is_read(mg):
     assert mg.cuda_graph_mode(_v19("none", "full")) is None
     mg.check_compatible(_v19("none", []), ["core_attn"])
     model = build()
-    model.config.cuda_graph_impl = "transformer_engine"
+    model.config.cuda_graph_impl = "local"
     model.config.cuda_graph_scope = ["attn"]  # 0.16's field (0.19: cuda_graph_modules)
-    with pytest.raises(OffloadError, match=r"--cuda-graph-impl transformer_engine --cuda-graph-(scope|modules) attn"):
+    with pytest.raises(OffloadError, match=r"--cuda-graph-impl local --cuda-graph-(scope|modules) attn"):
         mg.apply(model, "fc1", device="cpu")
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+
+
+def _te_graph_model():
+    model = build()
+    model.config.cuda_graph_impl = "transformer_engine"
+    model.config.cuda_graph_scope = ["attn"]
+    return model
+
+
+def test_transformer_engine_graphs_route_megatrons_capture_through_offload(mg, monkeypatch):
+    """With TE's graphs on, `apply` makes the function Megatron's ``TECudaGraphHelper`` captures
+    with call ``offload.graphs.make_graphed_callables`` with TE's as ``graph_api`` and every
+    keyword argument passed on; `remove` puts TE's back; without names nothing is rebound."""
+    from megatron.core.transformer import cuda_graphs
+
+    import offload.graphs
+
+    def te_api(callables, sample_args, **kwargs):  # stands for TE's make_graphed_callables
+        raise AssertionError("called directly")
+
+    calls = []
+    monkeypatch.setattr(cuda_graphs, "make_graphed_callables", te_api, raising=False)
+    monkeypatch.setattr(offload.graphs, "make_graphed_callables",
+                        lambda fns, args, **kw: calls.append((fns, args, kw)) or "graphed")
+    assert mg.apply(_te_graph_model(), "", device="cpu").names == ()
+    assert cuda_graphs.make_graphed_callables is te_api
+    handle = mg.apply(_te_graph_model(), "fc1", device="cpu")
+    routed = cuda_graphs.make_graphed_callables
+    assert routed is not te_api
+    assert mg.apply(_te_graph_model(), "fc1", device="cpu").remove() is None  # routed once: the second undoes nothing
+    assert cuda_graphs.make_graphed_callables is routed
+    kwargs = dict(_order=[1, -1], sample_kwargs=[{}], num_warmup_iters=7, fp8_enabled=False)
+    assert routed(("layer",), [("x",)], **kwargs) == "graphed"
+    assert calls == [(("layer",), [("x",)], dict(graph_api=te_api, **kwargs))]
+    handle.remove()
+    assert cuda_graphs.make_graphed_callables is te_api
+
+
+def test_transformer_engine_graphs_without_te_are_an_error_at_apply(mg, monkeypatch):
+    from megatron.core.transformer import cuda_graphs
+
+    monkeypatch.delattr(cuda_graphs, "make_graphed_callables", raising=False)
+    model = _te_graph_model()
+    with pytest.raises(OffloadError, match="needs Transformer Engine's make_graphed_callables"):
+        mg.apply(model, "fc1", device="cpu")
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
 
 
 # ---------------------------------------------------------------------- selective recompute

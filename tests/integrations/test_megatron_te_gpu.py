@@ -32,6 +32,7 @@ te = pytest.importorskip("transformer_engine.pytorch")
 
 pytestmark = pytest.mark.cuda
 SEQ, MBS, VOCAB = 256, 2, 1024
+GRAPH_WARMUP = 1  # eager steps before Megatron's TE graphs are captured
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +60,9 @@ def mg():
         torch.distributed.destroy_process_group()
 
 
-def build(moe: bool = False, mla: bool = False, fp8: str | None = None):
-    """A 2-layer GPTModel with the TE spec in bf16 (``Float16Module``)."""
+def build(moe: bool = False, mla: bool = False, fp8: str | None = None, graphs: list[str] | None = None):
+    """A 2-layer GPTModel with the TE spec in bf16 (``Float16Module``); with ``graphs`` (the
+    ``cuda_graph_modules``, ``[]`` for whole layers), set up for Megatron's TE CUDA graphs."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -78,9 +80,15 @@ def build(moe: bool = False, mla: bool = False, fp8: str | None = None):
                   qk_pos_emb_head_dim=32, v_head_dim=64, rope_type="rope")
     if fp8:
         kw.update(fp8="hybrid", fp8_recipe={"delayed": "delayed", "current": "tensorwise"}[fp8])
+    if graphs is not None:
+        kw.update(cuda_graph_impl="transformer_engine", cuda_graph_modules=list(graphs),
+                  cuda_graph_warmup_steps=GRAPH_WARMUP)
     config = (MLATransformerConfig if mla else TransformerConfig)(**kw)
     torch.manual_seed(0)
-    model_parallel_cuda_manual_seed(1234)
+    if graphs is None:
+        model_parallel_cuda_manual_seed(1234)
+    else:  # as Megatron's training seeds for TE's graphs: graph-safe RNG states
+        model_parallel_cuda_manual_seed(1234, te_rng_tracker=True, use_cudagraphable_rng=True, force_reset_rng=True)
     spec = get_gpt_layer_with_transformer_engine_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=moe,
                                                       multi_latent_attention=mla)
     with warnings.catch_warnings():
@@ -90,8 +98,9 @@ def build(moe: bool = False, mla: bool = False, fp8: str | None = None):
     return Float16Module(config, model.cuda())
 
 
-def train(model, fb, steps: int = 3, microbatches: int = 2) -> tuple[list[str], dict]:
-    """``steps`` steps through Megatron's schedule; (losses as float.hex, last gradients)."""
+def train(model, fb, steps: int = 3, microbatches: int = 2, before_step=None) -> tuple[list[str], dict]:
+    """``steps`` steps through Megatron's schedule; (losses as float.hex, last gradients).
+    ``before_step(i)`` runs before step ``i``."""
     g = torch.Generator().manual_seed(1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     pos = torch.arange(SEQ).expand(MBS, SEQ).cuda()
@@ -102,7 +111,9 @@ def train(model, fb, steps: int = 3, microbatches: int = 2) -> tuple[list[str], 
         out = m(tokens[:, :-1], pos, None, labels=tokens[:, 1:])
         return out, lambda o: (o.float().mean(), {"loss": o.float().mean().detach()})
 
-    for _ in range(steps):
+    for step in range(steps):
+        if before_step is not None:
+            before_step(step)
         data = iter([torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=g).cuda() for _ in range(microbatches)])
         opt.zero_grad(set_to_none=False)
         out = fb(forward_step_func=step_func, data_iterator=data, model=[model], num_microbatches=microbatches,
@@ -162,3 +173,73 @@ def test_te_spec_bitwise_fp8(mg, recipe):
         pytest.skip("no FP8 on this GPU")
     stats = bitwise(mg, lambda: build(moe=True, fp8=recipe), "qkv_linear,core_attn,mlp_norm,expert_fc1,moe_act")
     assert stats.by_name["expert_fc1"].bytes_offloaded > 0
+
+
+# ------------------------------------------------------------ Megatron's TE CUDA graphs
+@pytest.fixture
+def te_graphs(mg):
+    """What Megatron's training sets up for ``TECudaGraphHelper`` (its microbatch calculator);
+    afterwards, the plain RNG tracker again for the other tests."""
+    from megatron.core.num_microbatches_calculator import (destroy_num_microbatches_calculator,
+                                                           init_num_microbatches_calculator)
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    init_num_microbatches_calculator(0, None, MBS * 2, MBS, 1)
+    yield
+    destroy_num_microbatches_calculator()
+    model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+
+
+def graphed_train(mg, moe: bool, graphs: list[str], names: str, steps: int = 4):
+    """Train with Megatron's TE graphs, captured by ``TECudaGraphHelper`` after `GRAPH_WARMUP`
+    eager steps as Megatron-LM's loop does, with ``names`` offloaded through the integration
+    (``""``: none); returns `train`'s result, the names of the manager's captured groups and
+    the last step's statistics."""
+    import offload
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
+
+    model = build(moe=moe, graphs=graphs)
+    model.zero_grad_buffer = lambda: model.zero_grad(set_to_none=False)  # what the capture's reset calls
+    handle = mg.apply(model, names, min_tensor_bytes=0)
+    helper = TECudaGraphHelper(model=[model], config=model.config, seq_length=SEQ, micro_batch_size=MBS,
+                               optimizers=[])
+
+    def before_step(step: int) -> None:
+        if step == GRAPH_WARMUP:
+            helper.create_cudagraphs()
+
+    try:
+        result = train(model, handle.wrap(get_forward_backward_func()), steps=steps, before_step=before_step)
+        captured = {g.name for g in offload.get_manager().captured_groups}
+        stats = handle.last_stats
+    finally:
+        if helper.graphs_created():
+            helper.delete_cuda_graphs()
+        handle.remove()
+        offload.reset(release_pool=True)
+    return result, captured, stats
+
+
+@pytest.mark.parametrize("moe, graphs, names, inside, eager", [
+    (False, [], "qkv_linear,core_attn,attn_proj,fc1", {"core_attn", "fc1", "qkv_linear"}, set()),
+    (False, ["attn"], "qkv_linear,core_attn,fc1,mlp_act", {"core_attn", "qkv_linear"}, {"fc1", "mlp_act"}),
+], ids=["dense-layer", "dense-attn"])
+def test_megatron_te_graphs_offload_bitwise(mg, te_graphs, moe, graphs, names, inside, eager):
+    """``--cuda-graph-impl transformer_engine`` (whole layers; attention only, with the MLP
+    eager): the names inside the graphs are captured, the others offload eagerly, and losses
+    and gradients equal those of the same graphs without offloading, bitwise."""
+    from megatron.core.transformer import cuda_graphs
+
+    te_api = cuda_graphs.make_graphed_callables
+    ref = graphed_train(mg, moe, graphs, "")[0]
+    again = graphed_train(mg, moe, graphs, "")[0]
+    assert ref[0] == again[0], "the graphed reference does not reproduce itself"
+    got, captured, stats = graphed_train(mg, moe, graphs, names)
+    assert cuda_graphs.make_graphed_callables is te_api, "remove() leaves Megatron's TE function in place"
+    assert inside <= captured and not captured & eager, captured
+    for name in eager:  # offloaded eagerly, between the graphs' replays
+        assert stats.by_name[name].bytes_offloaded > 0, name
+    assert got[0] == ref[0]
+    for n, grad in ref[1].items():
+        assert torch.equal(grad, got[1][n]), n
