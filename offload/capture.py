@@ -98,10 +98,11 @@ class CaptureSessions:
         invalidates the capture); eager copies in flight are released without a wait, since a
         capture begins after a synchronize (PyTorch requires it after warm-up, and
         `offload.graphs` does it); idle handlers that hold no device memory give their buffers
-        back (a graph API's own warm-up leaves its last handlers unretired), their groups and
-        events kept until the capture is over, since an event destroyed during a capture
-        invalidates it. The groups the previous region carried are copied now when this
-        session is a forward region, else kept (Note [C1])."""
+        back (an eager warm-up right before a capture, such as the body run in
+        `offload.graphs.region` before `offload.graphs.graph`, leaves its last handlers
+        unretired), their groups and events kept until the capture is over, since an event
+        destroyed during a capture invalidates it. The groups the previous region carried are
+        copied now when this session is a forward region, else kept (Note [C1])."""
         engine = self._engine
         engine.chunks.retire_idle(graveyard=self._graveyard)
         engine.copies.drop_all()

@@ -127,7 +127,6 @@ to ``None``; both keep the deprecated booleans ``enable_cuda_graph`` = local and
 from __future__ import annotations
 
 import argparse
-import copy
 import fnmatch
 import functools
 import math
@@ -148,7 +147,7 @@ from offload.planner.budget import Budget
 from offload.schedules import schedule_table, table_to_order
 from offload.stats import IterationStats
 
-from .megatron_graphs import CudaGraphMode, check_cuda_graphs, cuda_graph_mode, route_te_graphs
+from .megatron_graphs import check_cuda_graphs, cuda_graph_mode, route_te_graphs
 
 if TYPE_CHECKING:
     from .megatron_plan import AutoSettings
