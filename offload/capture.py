@@ -13,8 +13,9 @@ no Python, so the engine does its work during the capture and the graph repeats 
 * **Regions and plans.** A graphable region (`offload.graphs.region`) records, when it runs
   eagerly, the groups it offloads and their sizes (its plan); under capture the same groups
   must come, else `OffloadError`.
-* **Copies carried to the next graph** (Note [C1] below) and **reloads issued at the start of
-  a region's backward graph** (Note [C2]).
+* **Copies carried to the next graph** (Note [C1] below), **issued after the replay of the
+  graph that saved them** where the engine sees that replay (Note [C3]), and **reloads issued
+  at the start of a region's backward graph** (Note [C2]).
 * **Graph-owned handlers.** A captured handler leaves the engine's queue when its session
   ends: its pinned buffers belong to its graphs (every replay writes them) until
   `release_graphs`.
@@ -40,14 +41,53 @@ Note [C2] Reloads at the start of a region's backward graph. A reload issued in 
     graph begins (`prefetch_region`, from a hook on the region's outputs), under the compute
     that runs before them; and the region's backward joins its reloads where it ends
     (`join_backward`, from the region's inputs).
+
+Note [C3] Copies issued after the replay of the graph that saved them. Under [C1] a carried
+    group is copied inside the next graph, under that graph's compute alone; where eager work
+    runs between two graphs (Megatron's attention-only graphs, the MLP eager) the copy cannot
+    use it. So where the engine sees every replay (the callables `offload.graphs.
+    make_graphed_callables` returns call `after_replay`), the next capture does not copy the
+    carried groups: it hands them to the `ReplayCopies` of the region that saved them, and
+    each replay of that region's graph, as it returns, issues their copies eagerly on the
+    D2H stream, after the replay, from the blocks of the graph's pool into the groups' pinned
+    buffers. The copies run under the eager work that follows and under the next graph. That
+    next graph, at its end, waits on an external event recorded after the copies
+    (``torch.cuda.Event(external=True)``: recorded outside the graph, waited on inside it) and
+    then frees the blocks inside the pool, as under [C1]; until then they hold what the
+    copies read, since only captures allocate from the pool. The event is recorded once
+    before the captures: a CUDA event is created at its first record, and a wait on one that
+    was never created is not captured. A call that ran the region eagerly instead of
+    replaying (a module in another training mode than the one captured) issues nothing.
+    Captures through `torch.cuda.graph` (`offload.graphs.graph`) replay out of the engine's
+    sight and keep [C1].
+
+Note [C4] Reloads issued after the backward replay of the graph before. Under [C2] a
+    backward graph reloads its first groups at its own start, so their copies run under that
+    graph alone, and its first kernel waits for the first of them; where eager work runs
+    between two backward graphs (the eager MLP's backward) the copies cannot use it. So when
+    a backward capture begins right after the backward capture of a region whose replays the
+    engine sees, its reload buffers are still allocated at its start, in the pool, but not
+    filled in it: the copies go to that region's `ReplayCopies` for backward, and each
+    backward replay of that region, once done (a hook on the gradient of the first input of
+    the callable the API returned), issues them eagerly on the H2D stream; the new backward
+    graph waits on their external event before its first use of a reloaded tensor. The
+    buffers hold nothing between the two replays: they were free in the pool when the capture
+    began, and only captures allocate from it. A forward replay whose backward must issue
+    such reloads raises `OffloadError` when none of its inputs needs a gradient while grad
+    mode is on: that backward would not run, and the next backward graph would read what
+    the previous step left in its buffers. And the backward graph that waits for them checks,
+    from a pre-hook on the autograd node of its outputs, that they were issued since its forward replay
+    (`ReplayCopies.issues`), else raises `OffloadError` before it replays: the graphs' backward
+    did not run in capture order.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
+from . import nvtx
 from .errors import OffloadError
-from .group import GroupState, OffloadGroup
+from .group import GroupState, OffloadGroup, TensorRecord
 
 if TYPE_CHECKING:
     from .chunk_handler import ChunkOffloadHandler
@@ -58,6 +98,53 @@ class CaptureSession:
     """One captured body: what groups and events recorded in it are tagged with."""
 
     __slots__ = ()
+
+
+class ReplayCopies:
+    """The copies issued eagerly after each replay of one graph: after a forward graph, its
+    carried groups' copies out of its pool (Note [C3]); after a backward graph, the reloads
+    the next backward graph reads (Note [C4]). Each span is a pinned buffer and an address in
+    the graphs' pool."""
+
+    def __init__(self, streams: Any, to_host: bool) -> None:
+        self.to_host = to_host
+        self.done = streams.event(external=True)  # what the next graph waits on
+        self.done.record(streams.current())  # creates it, before any capture waits on it
+        self._ready = streams.event()
+        self.issues = 0  # replays that issued copies so far
+        self._spans: list[tuple[Any, int, int]] = []  # (pinned buffer, device address, bytes)
+        self._jobs: list[tuple[Any, Any, int]] | None = None  # built at the first replay
+        self.groups: list[OffloadGroup] = []
+
+    def add(self, group: OffloadGroup, records: Iterable[TensorRecord]) -> None:
+        """Copy ``records`` of ``group`` after each replay: to the host from the span each
+        saved, or back into its reload buffer (``rec.dev``)."""
+        self.groups.append(group)
+        for rec in records:
+            address = rec.ptr + rec.start * rec.itemsize if self.to_host else rec.dev.data_ptr()
+            self._spans.append((rec.host.tensor[:rec.nbytes], address, rec.nbytes))
+        self._jobs = None
+
+    def clear(self) -> None:
+        self.groups.clear()
+        self._spans.clear()
+        self._jobs = None
+
+    def issue(self, streams: Any, chunk_bytes: int) -> None:
+        """After a replay: the copy stream waits for it, copies, and records `done`."""
+        if not self._spans:
+            return
+        self.issues += 1
+        if self._jobs is None:
+            spans = [(host, streams.device_span(address, nbytes)) for host, address, nbytes in self._spans]
+            self._jobs = [(host, dev, 0) if self.to_host else (dev, host, 0) for host, dev in spans]
+        stream = streams.d2h if self.to_host else streams.h2d
+        self._ready.record(streams.current())
+        stream.wait_event(self._ready)
+        nvtx.push(("offload/after-replay/" if self.to_host else "reload/after-replay/") + self.groups[0].label)
+        streams.copy(stream, self._jobs, chunk_bytes)
+        self.done.record(stream)
+        nvtx.pop()
 
 
 class CaptureSessions:
@@ -71,6 +158,13 @@ class CaptureSessions:
         self._graph_handlers: list[ChunkOffloadHandler] = []
         self.capture_stats: Any = None  # `IterationStats` of the last offload.graphs.make_graphed_callables
         self._carried: list[OffloadGroup] = []  # not yet copied at a region's end: Note [C1]
+        self._carried_from: Any = None  # the key of the region that carried them
+        self.replays: dict[Any, ReplayCopies] = {}  # region key -> copies after its forward replays: Note [C3]
+        self.backward_replays: dict[Any, ReplayCopies] = {}  # ... after its backward replays: Note [C4]
+        self.reloaded_by: dict[Any, ReplayCopies] = {}  # region key -> what its backward graph waits on
+        self.region_runs = 0  # regions entered so far; a replay enters none
+        self._backward_ended: Any = None  # the region whose backward capture just ended
+        self._after_backward: Any = None  # the same, for the session begun right after it
         self.plans: dict[Any, list[tuple[str, tuple[int, ...]]]] = {}
         self._regions: list[tuple[Any, list[tuple[str, tuple[int, ...]]]]] = []
 
@@ -81,6 +175,7 @@ class CaptureSessions:
     def sync(self) -> CaptureSession | None:
         """The session the current engine call belongs to (``None`` when not capturing)."""
         if not self._engine.streams.is_capturing():
+            self._backward_ended = None
             if self.session is not None:
                 self._end()
             if self._carried:  # eager code follows the graphs: Note [C1]
@@ -109,6 +204,8 @@ class CaptureSessions:
         engine.chunks.keep(engine.copies.take_deferred())
         engine.chunks.end_forward(keep=True)
         self.session = CaptureSession()
+        self._after_backward, self._backward_ended = self._backward_ended, None
+        replay = self.replays.get(self._carried_from)
         carried = self._take_carried()
         if not forward_region:
             engine.chunks.keep(carried)
@@ -116,13 +213,32 @@ class CaptureSessions:
         current = engine.streams.current()
         for group in carried:  # written by an earlier graph, which replays first
             group.stream = current
-            group.ready = engine.streams.event()
-            group.ready.record(current)
-        engine.copies.carry_in(carried)
+            if replay is None:
+                group.ready = engine.streams.event()
+                group.ready.record(current)
+        if replay is not None:
+            replay.clear()
+        engine.copies.carry_in(carried, replay)
 
     def _take_carried(self) -> list[OffloadGroup]:
-        carried, self._carried = self._carried, []
+        carried, self._carried, self._carried_from = self._carried, [], None
         return carried
+
+    def prepare_replays(self, keys: Iterable[Any]) -> None:
+        """The regions ``keys`` will be captured, and their graphs' replays reported through
+        `after_replay`: their carried groups are copied after those replays (Note [C3]).
+        Call before the captures."""
+        streams = self._engine.streams
+        for key in keys:
+            self.replays[key] = ReplayCopies(streams, to_host=True)
+            self.backward_replays[key] = ReplayCopies(streams, to_host=False)
+
+    def after_replay(self, key: Any, backward: bool = False) -> None:
+        """The forward (``backward``: the backward) graph of region ``key`` was just replayed:
+        issue the copies it owes (Notes [C3], [C4])."""
+        replay = (self.backward_replays if backward else self.replays).get(key)
+        if replay is not None:
+            replay.issue(self._engine.streams, self._engine.copies.chunk_bytes)
 
     def _end(self) -> None:
         """End the session in progress. Its offload copies must all have been joined into it
@@ -171,22 +287,33 @@ class CaptureSessions:
         self._join_reloads()
         self._end()  # the session ends; the capture may go on (a new session)
 
-    def join_backward(self) -> None:
-        """A region's backward reached the region's inputs: under capture, join the reloads
-        its session issued and end the session (Note [C2]); eagerly, nothing."""
+    def join_backward(self, key: Any) -> None:
+        """Region ``key``'s backward reached the region's inputs: under capture, join the
+        reloads its session issued and end the session (Note [C2]); eagerly, nothing."""
         if self.session is not None and self._engine.streams.is_capturing():
             self._join_reloads()
             self._end()
+            self._backward_ended = key
 
-    def prefetch_region(self, handler: "ChunkOffloadHandler | None") -> None:
+    def prefetch_region(self, handler: "ChunkOffloadHandler | None", key: Any = None) -> None:
         """A region's backward graph begins (the gradient of its outputs arrived): under
         capture, reload the last offloaded group of each name it captured, the first its
-        backward needs (Note [C2]); eagerly, nothing (the eager rules prefetch)."""
-        if handler is None or self.sync() is None:
+        backward needs, last closed first (Note [C2]); after the backward replay of the
+        region captured just before, where that replay is reported (Note [C4]). Eagerly,
+        nothing (the eager rules prefetch)."""
+        if handler is None:
             return
-        for group in handler.last_of_name.values():
+        fresh = self.session is None
+        if self.sync() is None:
+            return
+        replay = self.backward_replays.get(self._after_backward) if fresh else None
+        if replay is not None:
+            replay.clear()
+            self.reloaded_by[key] = replay
+        last = [g for g in handler.groups if handler.last_of_name.get(g.name) is g]
+        for group in reversed(last):
             if group.state is GroupState.OFFLOADED:
-                self._engine.reload(group, prefetch=True)
+                self._engine.reload(group, prefetch=True, replay=replay)
 
     def enter_region(self, key: Any) -> None:
         """A graphable region begins: eagerly, it records the groups it offloads as its plan;
@@ -202,6 +329,7 @@ class CaptureSessions:
                 self._end()
             self._begin(forward_region=True)
         self._regions.append((key, []))
+        self.region_runs += 1
 
     def exit_region(self, key: Any) -> "ChunkOffloadHandler | None":
         """The region ends. Eagerly, its groups become its plan. Under capture, it is checked
@@ -228,7 +356,7 @@ class CaptureSessions:
         self._join_reloads()
         carried = engine.copies.take_deferred() + engine.chunks.hand_over_forward()
         self._end()
-        self._carried = carried
+        self._carried, self._carried_from = carried, key
         return handler
 
     def plan_step(self, group: OffloadGroup) -> None:
@@ -266,10 +394,14 @@ class CaptureSessions:
                     rec.host = rec.src = rec.dev = None
             handler.forget()
         self._graph_handlers.clear()
+        self.replays.clear()
+        self.backward_replays.clear()
+        self.reloaded_by.clear()
 
     def reset(self) -> None:
         """Forget the session in progress and the open regions (plans and graphs stay)."""
         self.session = None
         self._reloads.clear()
         self._regions.clear()
-        self._carried.clear()
+        self._take_carried()
+        self._backward_ended = self._after_backward = None

@@ -69,10 +69,12 @@ class CopyQueue:
         self.deferred: list[OffloadGroup] = []  # decided, not yet issued (Note [7])
 
     # ------------------------------------------------------------------ offload
-    def offload(self, group: OffloadGroup, bound: bool = True) -> None:
+    def offload(self, group: OffloadGroup, bound: bool = True, replay: Any = None) -> None:
         """PENDING -> OFFLOADING: queue the D2H copies of ``group``'s live records that copying
         would free (a record whose storage something else holds stays on the GPU and is
-        counted in ``bytes_held_elsewhere``). With ``bound``, apply the in-flight bound."""
+        counted in ``bytes_held_elsewhere``). With ``bound``, apply the in-flight bound. With
+        ``replay`` (a `offload.capture.ReplayCopies`), the copies are handed to it instead, to be
+        issued after each replay of the graph that saved the group (Note [C3] of `offload.capture`)."""
         group.advance(GroupState.OFFLOADING)
         captured = group.capture is not None
         todo = []
@@ -94,6 +96,20 @@ class CopyQueue:
         if not todo:
             group.advance(GroupState.OFFLOADED)
             return
+        stats.groups_offloaded += 1
+        stats.bytes_offloaded += queued
+        stats.tensors_offloaded += len(todo)
+        if replay is not None:
+            group.d2h_done = replay.done
+            replay.add(group, todo)
+        else:
+            self._issue(group, todo, captured)
+        self.inflight.append(group)
+        self.stats.note_inflight(len(self.inflight))
+        if bound:
+            self._bound()
+
+    def _issue(self, group: OffloadGroup, todo: list, captured: bool) -> None:
         streams, d2h = self.streams, self.streams.d2h
         timing = self.timing and not captured  # a captured event cannot be timed
         nvtx.push("offload/" + group.label)
@@ -110,15 +126,8 @@ class CopyQueue:
         streams.copy(d2h, [(rec.host_view(), rec.src, rec.start) for rec in todo], self.chunk_bytes)
         group.d2h_done.record(d2h)
         nvtx.pop()
-        stats.groups_offloaded += 1
-        stats.bytes_offloaded += queued
-        stats.tensors_offloaded += len(todo)
         if timing:
             self.stats.time("d2h_ms", group.name, start, group.d2h_done)
-        self.inflight.append(group)
-        self.stats.note_inflight(len(self.inflight))
-        if bound:
-            self._bound()
 
     def defer(self, group: OffloadGroup) -> None:
         """``group`` will be offloaded; its copies are issued by `launch_deferred` (Note [7])."""
@@ -159,11 +168,12 @@ class CopyQueue:
             del self.inflight[self.carried]
             self._release(oldest, wait=True)
 
-    def carry_in(self, groups: list[OffloadGroup]) -> None:
+    def carry_in(self, groups: list[OffloadGroup], replay: Any = None) -> None:
         """Issue the copies of groups an earlier graph saved (Note [C1] of `offload.capture`),
-        outside the in-flight bound: the end of the graph being captured frees them."""
+        or hand them to ``replay`` (Note [C3]), outside the in-flight bound: the end of the
+        graph being captured frees them."""
         for group in groups:
-            self.offload(group, bound=False)
+            self.offload(group, bound=False, replay=replay)
         self.carried = len(self.inflight)
 
     def poll(self) -> None:
@@ -203,28 +213,35 @@ class CopyQueue:
         group.release()
 
     # ------------------------------------------------------------------ reload
-    def reload(self, group: OffloadGroup, prefetch: bool, session: Any = None) -> bool:
+    def reload(self, group: OffloadGroup, prefetch: bool, session: Any = None, replay: Any = None) -> bool:
         """Queue H2D copies of every record ``group``'s backward needs back (``session``: the
-        capture session this runs in, if any); whether there were any."""
+        capture session this runs in, if any), or allocate their buffers and hand the copies to
+        ``replay`` (Note [C4] of `offload.capture`); whether there were any."""
         todo = group.to_reload()
         if not todo:
             return False
-        streams, h2d = self.streams, self.streams.h2d
+        streams = self.streams
         timing = self.timing and session is None
-        nvtx.push("reload/" + group.label)
         current = streams.current()
         for rec in todo:
             rec.dev = streams.empty(rec.numel, rec.dtype)  # Note [2]
-        h2d.wait_stream(current)  # Note [2]
-        owners = {id(rec.group): rec.group for rec in todo}
-        for owner in owners.values():
-            if owner.capture is None or owner.capture is session:
-                h2d.wait_event(owner.d2h_done)  # Note [3]
-        done = streams.event(timing)
-        start = self._timing_start(h2d, timing)
-        streams.copy(h2d, [(rec.dev, rec.host_view(), 0) for rec in todo], self.chunk_bytes)
-        done.record(h2d)
-        nvtx.pop()
+        start = None
+        if replay is not None:
+            replay.add(group, todo)
+            done = replay.done
+        else:
+            nvtx.push("reload/" + group.label)
+            h2d = streams.h2d
+            h2d.wait_stream(current)  # Note [2]
+            owners = {id(rec.group): rec.group for rec in todo}
+            for owner in owners.values():
+                if owner.capture is None or owner.capture is session:
+                    h2d.wait_event(owner.d2h_done)  # Note [3]
+            done = streams.event(timing)
+            start = self._timing_start(h2d, timing)
+            streams.copy(h2d, [(rec.dev, rec.host_view(), 0) for rec in todo], self.chunk_bytes)
+            done.record(h2d)
+            nvtx.pop()
         for rec in todo:
             rec.reload_group = group
             rec.last_read = done

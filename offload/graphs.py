@@ -21,6 +21,9 @@ What this needs, and what this module provides:
   autograd nodes on the callable's outputs and inputs. An event recorded in one capture is
   never waited on in another: graphs that share a pool replay in capture order. (Notes [C1]
   and [C2] of `offload.capture`.)
+* **Copies issued after a replay.** The callables `make_graphed_callables` returns tell the
+  engine when their graph replayed, and then the copies carried out of that graph are issued
+  eagerly after it, so they also run under eager work between graphs (Note [C3]).
 * **Buffers owned by graphs.** A captured group's pinned buffers never return to the pool
   (every replay writes them); `CaptureSessions.release_graphs` gives them back once the
   graphs are gone.
@@ -36,6 +39,7 @@ steps aside while Dynamo traces); eager code around it is (docs/compile.md).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import itertools
 from typing import Any, Callable, Iterator, Sequence
@@ -120,13 +124,13 @@ def _run_region(fn: Callable, key: Any, args: tuple, kwargs: dict[str, Any]) -> 
     if manager.suspended:  # a graph API's own warm-up, after ours (`_capture`)
         return fn(*args, **kwargs)
     captures = manager.captures
-    args, kwargs = _through_edge((args, kwargs), captures.join_backward)
+    args, kwargs = _through_edge((args, kwargs), lambda: captures.join_backward(key))
     captures.enter_region(key)
     try:
         outputs = fn(*args, **kwargs)
     finally:
         handler = captures.exit_region(key)
-    return _through_edge(outputs, lambda: captures.prefetch_region(handler))
+    return _through_edge(outputs, lambda: captures.prefetch_region(handler, key))
 
 
 class _RegionModule(torch.nn.Module):
@@ -237,9 +241,10 @@ def make_graphed_callables(
     (`_forward_passes`); the captures then follow ``_order``, and so must the replays.
     Where the API takes a ``pre_warmup_hook`` (TE's), our warm-up runs in it, so under the
     autocast TE wraps the callables in (FP8 saves other tensors than bf16 does). Returns what
-    ``graph_api`` returns, for the wrapped callables (call those, not the originals). Modules
-    must not carry hooks of their own at the top (PyTorch refuses them); groups attached to
-    submodules are what offloading uses.
+    ``graph_api`` returns, for the wrapped callables (call those, not the originals), each
+    also reporting its replays: the copies the next graph would carry are issued eagerly
+    after them (Note [C3]). Modules must not carry hooks of their own at the top (PyTorch
+    refuses them); groups attached to submodules are what offloading uses.
     """
     single = callable(callables) and not isinstance(callables, (tuple, list))
     fns = (callables,) if single else tuple(callables)
@@ -319,7 +324,82 @@ def _capture(fns: tuple, args: tuple, kwargs: tuple, single: bool, passes: list[
             graph_kwargs["post_warmup_hook"] = post_warmup_hook
     else:
         warm_up()
+    # what the API returns, one per forward pass: the regions they replay
+    keys = []
+    for j, i in enumerate(passes):
+        microbatch = passes[:j].count(i)
+        keys.append(("graphed", base, i) if microbatches == 1 else (("graphed", base, i), microbatch))
+    manager.captures.prepare_replays(keys)
     # torch's API needs no warm-up after ours; Transformer Engine's records per-callable state
     # in its own (which runs with the engine suspended, above).
-    return api(wrapped[0] if single else wrapped, args[0] if single else args,
-               num_warmup_iters=0 if own_api else 1, **graph_kwargs)
+    graphed = api(wrapped[0] if single else wrapped, args[0] if single else args,
+                  num_warmup_iters=0 if own_api else 1, **graph_kwargs)
+    if single:
+        return _reporting_replays(graphed, keys[0])
+    return tuple(_reporting_replays(fn, key) for fn, key in zip(graphed, keys))
+
+
+def _reporting_replays(graphed: Any, key: Any) -> Any:
+    """``graphed`` (a function, or a module whose ``forward`` the API replaced) calling
+    `CaptureSessions.after_replay` for ``key`` after each call that replayed its graph (one
+    that entered no region: the API's eager fallback runs the region instead), and after its
+    backward where reloads wait for that (Notes [C3], [C4] of `offload.capture`). The API's
+    attributes on it (TE's ``reset``, ``backward_dw``) stay reachable."""
+    if isinstance(graphed, torch.nn.Module):
+        graphed.forward = _reporting_replays(graphed.forward, key)
+        return graphed
+
+    @functools.wraps(graphed)
+    def replay(*args: Any, **kwargs: Any) -> Any:
+        captures = PipelineOffloadManager.get().captures
+        runs = captures.region_runs
+        grad = torch.is_grad_enabled()
+        reloads = captures.backward_replays.get(key)
+        if grad and reloads is not None and reloads.groups:
+            _after_backward(args, kwargs, key, lambda _grad: captures.after_replay(key, backward=True))
+        outputs = graphed(*args, **kwargs)
+        if captures.region_runs == runs:
+            captures.after_replay(key)
+            owed = captures.reloaded_by.get(key)
+            if grad and owed is not None:
+                _check_reloads_issued(outputs, key, owed)
+        return outputs
+
+    return replay
+
+
+def _check_reloads_issued(outputs: Any, key: Any, owed: Any) -> None:
+    """Before the backward graph of region ``key`` replays (a pre-hook on the API's autograd
+    node, which runs after the tensor hooks that issue reloads), raise `OffloadError` unless
+    the reloads it waits for (``owed``, a `offload.capture.ReplayCopies`) were issued since this
+    forward replay (Note [C4])."""
+    node = next((t.grad_fn for t in torch.utils._pytree.tree_leaves(outputs)
+                 if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
+    if node is None:
+        return
+    mark = owed.issues
+
+    def check(_grads: Any) -> None:
+        if owed.issues == mark:
+            raise OffloadError(
+                f"offload: the backward graph of region {key!r} is about to replay, but the backward "
+                "graph captured before it has not replayed since its forward: its reloads were "
+                "not issued (Note [C4] of offload.capture). Replay the graphs' backward in the "
+                "order they were captured")
+
+    node.register_prehook(check)
+
+
+def _after_backward(args: tuple, kwargs: dict, key: Any, hook: Callable[[torch.Tensor], None]) -> None:
+    """Run ``hook`` once the gradient of the first input that needs one is computed, i.e. after
+    the backward of the graph these inputs go into (Note [C4] of `offload.capture`)."""
+    first = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
+    if first is None:  # the slower search, through containers and keyword arguments
+        first = next((a for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                      if isinstance(a, torch.Tensor) and a.requires_grad), None)
+    if first is None:
+        raise OffloadError(
+            f"offload: graph region {key!r} was called with no input that needs a gradient, but the "
+            "backward graph after its own reads what is reloaded once its backward ran (Note [C4] "
+            "of offload.capture): call it with the inputs it was captured with")
+    first.register_hook(hook)

@@ -310,10 +310,10 @@ class PipelineOffloadManager:
         if self.captures.sync() is None:
             self.chunks.retire_idle()
 
-    def reload(self, group: OffloadGroup, prefetch: bool) -> None:
-        """Issue ``group``'s reload in the current capture session, if any (joined at its end)."""
+    def reload(self, group: OffloadGroup, prefetch: bool, replay: Any = None) -> None:
+        """Issue ``group``'s reload in the capture session, if any, or via ``replay`` (Note [C4])."""
         session = self.captures.sync()
-        if self.copies.reload(group, prefetch, session) and session is not None:
+        if self.copies.reload(group, prefetch, session, replay) and session is not None and replay is None:
             self.captures.note_reload(group.h2d_done)
 
     def _check_names(self) -> None:

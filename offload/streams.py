@@ -42,6 +42,14 @@ def _span(src: torch.Tensor, start: int, numel: int) -> torch.Tensor:
     return src.as_strided((numel,), (1,), start)
 
 
+_set_fills_new_memory = torch._C._set_deterministic_fill_uninitialized_memory
+
+
+def _fills_new_memory() -> bool:
+    """Whether ``torch.empty`` writes NaN into what it returns (deterministic algorithms on)."""
+    return torch._C._get_deterministic_algorithms() and torch._C._get_deterministic_fill_uninitialized_memory()
+
+
 _CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction follows from the (unified) addresses
 
 
@@ -119,13 +127,29 @@ class CudaStreams:
         """A cheap identity of the current stream (its id), for the hot path."""
         return torch._C._cuda_getCurrentStream(self._index)[0]
 
-    def event(self, timing: bool = False) -> torch.cuda.Event:
-        """A new event; ``timing=True`` for events whose elapsed time is read."""
-        return torch.cuda.Event(enable_timing=timing)
+    def event(self, timing: bool = False, external: bool = False) -> torch.cuda.Event:
+        """A new event; ``timing=True`` for events whose elapsed time is read, ``external=True``
+        for one recorded eagerly and waited on inside a CUDA graph (Note [C3] of `offload.capture`)."""
+        return torch.cuda.Event(enable_timing=timing, external=external)
+
+    def device_span(self, address: int, nbytes: int) -> torch.Tensor:
+        """A flat uint8 tensor over ``nbytes`` of this device's memory at ``address`` that does not
+        keep that memory allocated: for memory whose lifetime the caller knows (a block of a
+        CUDA graph's pool, which the graph's replays rewrite)."""
+        return torch.as_tensor(_DeviceMemory(address, nbytes), device=self.device)
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A flat device tensor for a reload, allocated on the current stream."""
-        return torch.empty(numel, dtype=dtype, device=self.device)
+        """A flat device tensor for a reload, allocated on the current stream. Never filled, also
+        where deterministic algorithms fill new memory: the copy writes all of it before any
+        use, and a fill captured in a backward graph would overwrite a reload issued before
+        that graph's replay (Note [C4] of `offload.capture`)."""
+        if not _fills_new_memory():
+            return torch.empty(numel, dtype=dtype, device=self.device)
+        _set_fills_new_memory(False)
+        try:
+            return torch.empty(numel, dtype=dtype, device=self.device)
+        finally:
+            _set_fills_new_memory(True)
 
     def copy(self, stream: torch.cuda.Stream, jobs: Sequence[CopyJob], chunk_bytes: int) -> None:
         """Issue the copies ``jobs`` on ``stream`` (see `CopyJob`), in pieces of at most
@@ -163,6 +187,16 @@ class CudaStreams:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+
+class _DeviceMemory:
+    """Raw device memory described by the CUDA array interface, for `CudaStreams.device_span`."""
+
+    __slots__ = ("__cuda_array_interface__",)
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),
+                                         "strides": None, "version": 3, "stream": None}
 
 
 class _StreamSwitch:
@@ -377,7 +411,7 @@ class HostStreams:
     def current_id(self) -> int:
         return 0
 
-    def event(self, timing: bool = False) -> _HostEvent:
+    def event(self, timing: bool = False, external: bool = False) -> _HostEvent:
         if self.violations:
             self._report()
         self.ticks += 1
@@ -388,6 +422,11 @@ class HostStreams:
         out = torch.empty(numel, dtype=dtype)
         out.view(torch.uint8).fill_(0xFF)
         return out
+
+    def device_span(self, address: int, nbytes: int) -> torch.Tensor:
+        """A flat uint8 tensor over ``nbytes`` of host memory at ``address`` that does not keep
+        it allocated (`CudaStreams.device_span`)."""
+        return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(address), dtype=torch.uint8)
 
     def copy(self, stream: _HostStream, jobs: Sequence[CopyJob], chunk_bytes: int) -> None:
         if self.violations:

@@ -26,6 +26,7 @@ from torch import nn
 import offload
 from conftest import CUDA_ONLY, reproducible, slow_side_streams
 from offload import OffloadError
+from offload.capture import ReplayCopies
 from offload.copy_queue import CopyQueue
 from offload.group import GroupState
 from offload.testing import GPT_MAPPING, build_gpt, first_difference, graph_pool_bytes
@@ -207,6 +208,17 @@ def _assert_captured(manager, per_name, kept=None):
             assert sum(rec.nbytes for rec in g.records if rec.host is not None) > 0, g.label
 
 
+def _assert_copied_after_replays(manager):
+    """Graphs of `make_graphed_callables` copy the groups carried out of them after their
+    forward replays (Note [C3] of offload.capture), and the first reloads of a backward graph
+    after the backward replay before it (Note [C4]): captured groups that were copied out."""
+    captured = {id(g) for g in manager.captured_groups}
+    for replays in (manager.captures.replays, manager.captures.backward_replays):
+        groups = [g for replay in replays.values() for g in replay.groups]
+        assert groups
+        assert all(g.state is GroupState.OFFLOADED and id(g) in captured for g in groups)
+
+
 # Graphs of two layers each: fc2 closes a layer last, so the graph's end finds the fc2 before
 # the last one still waiting for its copy (Note [7] of offload.copy_queue) and carries it too.
 KEPT_TWO_LAYER_GRAPH = {"core_attn": 1, "fc1": 1, "mlp_act": 1, "fc2": 2}
@@ -244,6 +256,7 @@ def test_make_graphed_callables_bitwise(configure, offloading):
     graphed = Graphed(model, 2)
     if offloading:
         _assert_captured(manager, 2 * 2)
+        _assert_copied_after_replays(manager)
     calls = manager.hook_calls
     for seed in range(3):
         _assert_equal(graphed.step(_inputs(seed), ALL_FWD_THEN_BWD), refs[seed])
@@ -319,9 +332,12 @@ def test_slowed_copy_streams_inside_the_capture(configure, monkeypatch):
     graphed = Graphed(model, 2)
     _assert_captured(manager, 2 * 2 * len(model.layers),  # the ordered graphs' groups, then these
                      {name: KEPT_TWO_LAYER_GRAPH[name] + 1 for name in NAMES})
-    # every captured group's copy out, and copies back, were launched (slowed) under capture
+    # every captured group's copy out was decided under capture (the ordered graphs copy
+    # inside the next graph, the graphed callables after their replays: both slowed), and the
+    # copies back were launched (slowed) under capture
     copied = [g for g in manager.captured_groups if g.state is GroupState.OFFLOADED]
     assert launched["offload"] == len(copied) and launched["reload"] > 0
+    _assert_copied_after_replays(manager)
     for seed in range(5):
         data = _inputs(seed)
         ref = _reference(ref_model, data, ONE_F_ONE_B)
@@ -363,11 +379,16 @@ def _eager_dispatch(x, weight, grouped=True):
         return x + torch.tanh(x[:, :keep] @ weight)
 
 
-@pytest.mark.parametrize("pattern", ["partial", "breakable"])
-def test_partial_and_breakable_capture(configure, pattern):
-    """``partial``: each layer's attention block is graphed, its MLP runs eagerly.
-    ``breakable``: attention block graphed, an eager dispatch step, then the MLP block graphed
-    (a capture broken around an eager operation). Offloading works in every part."""
+@pytest.mark.parametrize("pattern", ["partial", "partial-slowed", "breakable"])
+def test_partial_and_breakable_capture(configure, monkeypatch, pattern):
+    """``partial``: each layer's attention block is graphed, its MLP runs eagerly; the copies
+    carried out of an attention graph are issued after its replay, under the eager MLP
+    (Note [C3]); ``partial-slowed`` with the copy streams slowed. ``breakable``: attention block
+    graphed, an eager dispatch step, then the MLP block graphed (a capture broken around an
+    eager operation). Offloading works in every part."""
+    if pattern == "partial-slowed":
+        slow_side_streams(monkeypatch)
+        pattern = "partial"
     model = _model()
     ref_model = copy.deepcopy(model)
     weight = torch.randn(HIDDEN, HIDDEN, device="cuda", requires_grad=True)
@@ -411,6 +432,7 @@ def test_partial_and_breakable_capture(configure, pattern):
             tuple(MLPBlock(l) for _ in range(2) for l in model.layers), sample())
     else:
         graphed_mlp = [MLPBlock(l) for _ in range(2) for l in model.layers]
+    _assert_copied_after_replays(manager)
     n = len(model.layers)
     fns = {"attn": [graphed[m * n:(m + 1) * n] for m in range(2)],
            "mlp": [graphed_mlp[m * n:(m + 1) * n] for m in range(2)]}
@@ -421,6 +443,58 @@ def test_partial_and_breakable_capture(configure, pattern):
         for name in eager_names:
             assert stats.by_name[name].bytes_offloaded > 0, name  # offloaded eagerly, between graphs
     assert {g.name for g in manager.captured_groups} >= {"core_attn"}
+
+
+def test_an_eager_fallback_is_not_a_replay(configure, monkeypatch):
+    """A graphed module called in another training mode than captured runs eagerly (the API's
+    fallback): no copies are issued after it, as no graph replayed (Note [C3]); replays after it
+    still copy, and stay bitwise equal to eager."""
+    model = _model()
+    ref_model = copy.deepcopy(model)
+    manager = configure(NAMES, device="cuda", min_tensor_bytes=1 << 16)
+    offload.attach(model, GPT_MAPPING)
+    graphed = Graphed(model, 1)
+    issued = []
+    issue = ReplayCopies.issue
+    monkeypatch.setattr(ReplayCopies, "issue", lambda self, *a: (issued.append(list(self.groups)), issue(self, *a)))
+    data = _inputs(0, microbatches=1)
+    _assert_equal(graphed.step(data, [1, -1]), _reference(ref_model, data, [1, -1]))
+    assert [groups for groups in issued if groups], "the first layer's graph copies after its replay"
+    issued.clear()
+    for fn in graphed.fns:
+        fn.eval()
+    with torch.no_grad():
+        h = data[0][0]
+        for fn in graphed.fns:
+            h = fn(h)
+    assert issued == []
+    for fn in graphed.fns:
+        fn.train()
+    data = _inputs(1, microbatches=1)
+    _assert_equal(graphed.step(data, [1, -1]), _reference(ref_model, data, [1, -1]))
+    assert [groups for groups in issued if groups]
+
+
+def test_reloads_after_a_backward_replay_are_checked(configure):
+    """Layer 1's backward replay issues layer 0's reloads (Note [C4]): called with no input
+    that needs a gradient, that backward would never run, so the call is refused (without
+    grad mode, no backward at all, it runs); and layer 0's backward graph refuses to replay
+    when the gradient did not pass layer 1's input since its forward."""
+    model = _model()
+    configure(NAMES, device="cuda", min_tensor_bytes=1 << 16)
+    offload.attach(model, GPT_MAPPING)
+    graphed = Graphed(model, 1)
+    x = _inputs(0, microbatches=1)[0][0]
+    with pytest.raises(OffloadError, match="no input that needs a gradient"):
+        graphed.fns[1](x)
+    with torch.no_grad():
+        graphed.fns[1](graphed.fns[0](x))
+    # layer 1 called on an input that is not layer 0's output: layer 0's backward graph would
+    # replay without layer 1's gradient having reached that input: refused before it reads
+    h0 = graphed.fns[0](x.clone().requires_grad_(True))
+    graphed.fns[1](x.clone().requires_grad_(True))
+    with pytest.raises(OffloadError, match="its reloads were not issued"):
+        h0.backward(torch.ones_like(h0))
 
 
 POOL_SEQ = 2048

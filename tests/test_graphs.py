@@ -162,6 +162,134 @@ def test_carried_groups_are_kept_when_eager_code_follows(stack):
     offload.reset(release_pool=True)
 
 
+def _warm_up_reported(stack):
+    """The stack's eager warm-up (its plans), then its regions' replays reported as
+    `offload.graphs.make_graphed_callables` reports them; returns the input and the keys."""
+    model, _, regions, manager = stack
+    x, _ = seeded_pair(0, 8, 2, 32)
+    _stack_step(model, regions, x, torch.ones_like(x))
+    offload.end_iteration()
+    keys = [("L", i) for i in range(len(regions))]
+    manager.captures.prepare_replays(keys)
+    return x, keys
+
+
+def test_carried_groups_go_to_the_replays_of_the_graph_that_saved_them(stack):
+    """Note [C3]: where the graphs' replays are reported (`prepare_replays`), the next forward
+    capture hands a region's carried groups to that region's `ReplayCopies` instead of copying
+    them itself (nothing is queued on the D2H stream while it is captured), and its end still
+    frees them, after a wait on the copies' event; the last region's stay kept."""
+    model, _, regions, manager = stack
+    x, keys = _warm_up_reported(stack)
+    queued = manager.streams.d2h.issued
+    waited = []
+    h = x.detach().requires_grad_(True)
+    for i, region in enumerate(regions):
+        _capturing(manager, Graph(f"fwd{i}"))
+        if i == 2:
+            wait = manager.copies.wait
+            manager.copies.wait = lambda stream, event, *rest: (waited.append(event), wait(stream, event, *rest))
+        h = region(h)
+    first, second, third = manager.captures._graph_handlers
+    assert manager.streams.d2h.issued == queued, "no copy issued inside the captures"
+    for handler, key in ((first, keys[0]), (second, keys[1])):
+        assert all(grp.state is GroupState.OFFLOADED for grp in handler.groups)
+        assert manager.captures.replays[key].groups == handler.groups
+    assert manager.captures.replays[keys[1]].done in waited, "the next graph waits for the copies at its end"
+    assert all(grp.state is GroupState.PENDING for grp in third.groups)
+    _capturing(manager, None)
+    offload.end_iteration()  # eager code follows the last graph
+    assert all(grp.state is GroupState.KEPT for grp in third.groups)
+    assert manager.captures.replays[keys[2]].groups == []
+    del h
+    offload.reset(release_pool=True)
+    assert manager.captures.replays == {}, "released with the graphs"
+
+
+def test_reloads_go_to_the_backward_replays_of_the_graph_before(stack):
+    """Note [C4]: a backward capture that begins right after the backward capture of a region
+    whose replays are reported allocates its reload buffers but hands their copies to that
+    region's `ReplayCopies` for backward (nothing is queued on the H2D stream in the capture),
+    last closed group first; the first backward capture reloads in its own graph (Note [C2])."""
+    model, _, regions, manager = stack
+    x, keys = _warm_up_reported(stack)
+    h = x.detach().requires_grad_(True)
+    for i, region in enumerate(regions):
+        _capturing(manager, Graph(f"fwd{i}"))
+        h = region(h)
+    first, second, third = manager.captures._graph_handlers
+    _capturing(manager, Graph("bwd"))  # the regions' backward captures, last region first
+    queued = manager.streams.h2d.issued
+    h.backward(torch.ones_like(h))
+    _capturing(manager, None)
+    backward = manager.captures.backward_replays
+    assert backward[keys[2]].groups == list(reversed(second.groups)), "region 1's reloads, fc2 first"
+    assert backward[keys[1]].groups == list(reversed(first.groups))
+    assert backward[keys[0]].groups == []
+    assert all(rec.dev is None for grp in first.groups + second.groups for rec in grp.records), \
+        "the buffers were allocated, used and given back inside the capture"
+    assert manager.streams.h2d.issued == queued, "no reload issued inside the captures"
+    stats = offload.end_iteration()
+    assert stats.by_name["core_attn"].reloads_prefetched == 2
+    offload.reset(release_pool=True)
+    assert manager.captures.backward_replays == {}
+
+
+def test_replay_copies_copy_after_the_replay_and_record_their_event(configure):
+    """`ReplayCopies.issue`: the D2H stream waits for what ran before, copies each span into
+    its pinned buffer (late, on the CPU fallback: only once waited for) and records ``done``."""
+    manager = configure(["core_attn"])
+    streams = manager.streams
+    replay = offload.capture.ReplayCopies(streams, to_host=True)
+    source = torch.arange(64, dtype=torch.float32)
+
+    class Record:  # the fields ReplayCopies reads from a TensorRecord
+        host = manager.pool.acquire(64 * 4, False)
+        ptr, start, itemsize, nbytes = source.data_ptr(), 16, 4, 32 * 4
+
+    class Group:
+        label = "core_attn/L0/mb1"
+
+    replay.add(Group, [Record])
+    replay.issue(streams, chunk_bytes=0)
+    copied = Record.host.tensor[:Record.nbytes].view(torch.float32)
+    assert not replay.done.query() and not torch.equal(copied, source[16:48]), "the copy runs late"
+    streams.current().wait_event(replay.done)
+    assert torch.equal(copied, source[16:48])
+    replay.clear()
+    queued = streams.d2h.issued
+    replay.issue(streams, chunk_bytes=0)
+    assert streams.d2h.issued == queued, "nothing to copy: nothing issued"
+    manager.pool.release(Record.host)
+
+
+def test_replays_are_reported_only_when_the_graph_replayed(setup, monkeypatch):
+    """The callables `make_graphed_callables` returns report a call as a replay unless it ran
+    the region eagerly (the API's fallback, e.g. in another training mode); a module keeps the
+    API's forward behind the report, a function the API's attributes (TE's ``reset``)."""
+    layer, _, manager = setup
+    reported = []
+    monkeypatch.setattr(manager.captures, "after_replay", reported.append)
+    region = offload.graphs._as_region(layer, "R")
+    x = torch.randn(8, 2, 32)
+
+    def graphed(h):  # stands for a replay: no region is entered
+        return h * 2
+
+    graphed.reset = "TE's attribute"
+    fn = offload.graphs._reporting_replays(graphed, "R")
+    assert torch.equal(fn(x), x * 2) and reported == ["R"] and fn.reset == "TE's attribute"
+    fallback = offload.graphs._reporting_replays(lambda h: region(h), "R")
+    fallback(x.requires_grad_(True))
+    assert reported == ["R"], "an eager run of the region is not a replay"
+    module = torch.nn.Linear(32, 32)
+    module.forward = graphed
+    assert offload.graphs._reporting_replays(module, "M") is module
+    module(x)
+    assert reported == ["R", "M"]
+    manager.end_iteration(check_names=False)  # one layer: its groups were the last of their names
+
+
 def test_te_order_read_as_forward_passes():
     """TE's ``_order`` for two model chunks of two layers and two microbatches: the callable
     of each forward pass in ``sample_args`` order (chunk, then microbatch, then layer)."""
