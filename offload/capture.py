@@ -163,8 +163,7 @@ class CaptureSessions:
         self.backward_replays: dict[Any, ReplayCopies] = {}  # ... after its backward replays: Note [C4]
         self.reloaded_by: dict[Any, ReplayCopies] = {}  # region key -> what its backward graph waits on
         self.region_runs = 0  # regions entered so far; a replay enters none
-        self._backward_ended: Any = None  # the region whose backward capture just ended
-        self._after_backward: Any = None  # the same, for the session begun right after it
+        self._backward_ended: Any = None  # the region whose backward capture was the last session
         self.plans: dict[Any, list[tuple[str, tuple[int, ...]]]] = {}
         self._regions: list[tuple[Any, list[tuple[str, tuple[int, ...]]]]] = []
 
@@ -204,7 +203,7 @@ class CaptureSessions:
         engine.chunks.keep(engine.copies.take_deferred())
         engine.chunks.end_forward(keep=True)
         self.session = CaptureSession()
-        self._after_backward, self._backward_ended = self._backward_ended, None
+        self._backward_ended = None
         replay = self.replays.get(self._carried_from)
         carried = self._take_carried()
         if not forward_region:
@@ -303,10 +302,10 @@ class CaptureSessions:
         nothing (the eager rules prefetch)."""
         if handler is None:
             return
-        fresh = self.session is None
+        fresh, previous = self.session is None, self._backward_ended  # before sync() begins a session
         if self.sync() is None:
             return
-        replay = self.backward_replays.get(self._after_backward) if fresh else None
+        replay = self.backward_replays.get(previous) if fresh else None
         if replay is not None:
             replay.clear()
             self.reloaded_by[key] = replay
@@ -404,4 +403,4 @@ class CaptureSessions:
         self._reloads.clear()
         self._regions.clear()
         self._take_carried()
-        self._backward_ended = self._after_backward = None
+        self._backward_ended = None

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections import Counter
 import inspect
 import itertools
 from typing import Any, Callable, Iterator, Sequence
@@ -147,10 +148,15 @@ class _RegionModule(torch.nn.Module):
         return _run_region(self.module, next(self._keys), args, kwargs)
 
 
+def _pass_key(key: Any, microbatch: int, passes: int) -> Any:
+    """The region of a callable's run for ``microbatch`` (of ``passes`` per iteration)."""
+    return key if passes == 1 else (key, microbatch)
+
+
 def _as_region(fn: Callable, key: Any, passes: int = 1) -> Callable:
     """``fn`` as a region named ``key`` (with ``passes`` > 1: the regions ``(key, 0)``,
     ``(key, 1)``, ... for its successive calls, in turn)."""
-    keys = [key] if passes == 1 else [(key, k) for k in range(passes)]
+    keys = [_pass_key(key, k, passes) for k in range(passes)]
     if isinstance(fn, torch.nn.Module):
         return _RegionModule(fn, keys)
     turns = itertools.cycle(keys)
@@ -325,10 +331,11 @@ def _capture(fns: tuple, args: tuple, kwargs: tuple, single: bool, passes: list[
     else:
         warm_up()
     # what the API returns, one per forward pass: the regions they replay
+    runs: Counter[int] = Counter()
     keys = []
-    for j, i in enumerate(passes):
-        microbatch = passes[:j].count(i)
-        keys.append(("graphed", base, i) if microbatches == 1 else (("graphed", base, i), microbatch))
+    for i in passes:
+        keys.append(_pass_key(("graphed", base, i), runs[i], microbatches))
+        runs[i] += 1
     manager.captures.prepare_replays(keys)
     # torch's API needs no warm-up after ours; Transformer Engine's records per-callable state
     # in its own (which runs with the engine suspended, above).
