@@ -1,5 +1,5 @@
-"""Host time to issue one group's copies, through the CUDA runtime directly and through
-``Tensor.copy_`` (CUDA only).
+"""Host time to issue one group's copies, through the CUDA runtime directly, through
+``Tensor.copy_``, and as a copy program (CUDA only).
 
     python benchmarks/copy_issue.py
 
@@ -10,7 +10,10 @@ used under the CUDA stream sanitizer). This times one ``copy`` call of a group s
 ``core_attn`` group of a GPT layer at hidden 2048, seq 4096, bf16 (one 48 MiB q/k/v storage,
 one 16 MiB output, one 64 KiB log-sum-exp) in pieces of ``--chunk-mib`` MiB, each call on its
 own (the stream is synchronized between calls, untimed, so the copy queue never fills), and
-prints the median host microseconds per call and per piece for both paths, alternating them.
+prints the median host microseconds per call and per piece for each path, alternating them.
+The third path is what a graph replay issues after it (Note [C3] of `offload.capture`): the
+same copies and an event record captured once by `CudaStreams.copy_program`, then one launch
+of that small graph per call.
 """
 
 from __future__ import annotations
@@ -47,14 +50,23 @@ def main(argv: list[str] | None = None) -> int:
         jobs.append((pool.acquire(nbytes).view(torch.bfloat16, src.numel()), src, 0))
     chunk = args.chunk_mib << 20
     pieces = sum(max(1, -(-n // chunk)) for n in sizes)
-    paths = {"runtime": streams._memcpy, "Tensor.copy_": None}
+    runtime = streams._memcpy
+    done = torch.cuda.Event(external=True)
+    done.record()
+    program = streams.copy_program(streams.d2h, jobs, chunk, done)
+    program()  # captured here, untimed
+
+    def copy() -> None:
+        streams.copy(streams.d2h, jobs, chunk)
+
+    paths = {"runtime": (runtime, copy), "Tensor.copy_": (None, copy), "copy program": (runtime, program)}
     times: dict[str, list[float]] = {name: [] for name in paths}
     for i in range(args.calls + 10):
-        for name, memcpy in paths.items():
+        for name, (memcpy, call) in paths.items():
             streams._memcpy = memcpy
             streams.d2h.synchronize()
             start = time.perf_counter()
-            streams.copy(streams.d2h, jobs, chunk)
+            call()
             elapsed = time.perf_counter() - start
             if i >= 10:
                 times[name].append(elapsed * 1e6)

@@ -85,7 +85,7 @@ def measure(config: dict, args: argparse.Namespace) -> dict:
         end.synchronize()
         gpu.append(start.elapsed_time(end))
         offloaded.append(offload.end_iteration().total().bytes_offloaded)
-    if per_graph:  # a replay runs no hook: what it copies out is what the captures planned
+    if per_graph:  # what the replays copy out is what the captures planned: the captured groups' buffers
         per_step = sum(rec.nbytes for grp in manager.captured_groups if grp.state is GroupState.OFFLOADED
                        for rec in grp.records if rec.host is not None)
     else:

@@ -113,7 +113,8 @@ class ReplayCopies:
         self._ready = streams.event()
         self.issues = 0  # replays that issued copies so far
         self._spans: list[tuple[Any, int, int]] = []  # (pinned buffer, device address, bytes)
-        self._jobs: list[tuple[Any, Any, int]] | None = None  # built at the first replay
+        self._program: Any = None  # the copies and the record of `done`, built at the first replay
+        self._label = ""  # its NVTX range
         self.groups: list[OffloadGroup] = []
 
     def add(self, group: OffloadGroup, records: Iterable[TensorRecord]) -> None:
@@ -123,27 +124,29 @@ class ReplayCopies:
         for rec in records:
             address = rec.ptr + rec.start * rec.itemsize if self.to_host else rec.dev.data_ptr()
             self._spans.append((rec.host.tensor[:rec.nbytes], address, rec.nbytes))
-        self._jobs = None
+        self._program = None
 
     def clear(self) -> None:
         self.groups.clear()
         self._spans.clear()
-        self._jobs = None
+        self._program = None
 
     def issue(self, streams: Any, chunk_bytes: int) -> None:
-        """After a replay: the copy stream waits for it, copies, and records `done`."""
+        """After a replay: the copy stream waits for it, copies, and records `done` (one
+        `streams.copy_program` call: its spans keep their addresses while the graphs live)."""
         if not self._spans:
             return
         self.issues += 1
-        if self._jobs is None:
-            spans = [(host, streams.device_span(address, nbytes)) for host, address, nbytes in self._spans]
-            self._jobs = [(host, dev, 0) if self.to_host else (dev, host, 0) for host, dev in spans]
         stream = streams.d2h if self.to_host else streams.h2d
+        if self._program is None:
+            spans = [(host, streams.device_span(address, nbytes)) for host, address, nbytes in self._spans]
+            jobs = [(host, dev, 0) if self.to_host else (dev, host, 0) for host, dev in spans]
+            self._program = streams.copy_program(stream, jobs, chunk_bytes, self.done)
+            self._label = ("offload/after-replay/" if self.to_host else "reload/after-replay/") + self.groups[0].label
         self._ready.record(streams.current())
         stream.wait_event(self._ready)
-        nvtx.push(("offload/after-replay/" if self.to_host else "reload/after-replay/") + self.groups[0].label)
-        streams.copy(stream, self._jobs, chunk_bytes)
-        self.done.record(stream)
+        nvtx.push(self._label)
+        self._program()
         nvtx.pop()
 
 

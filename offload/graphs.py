@@ -236,8 +236,9 @@ def make_graphed_callables(
 ) -> Any:
     """``torch.cuda.make_graphed_callables`` with offloading captured in the graphs.
 
-    Each callable becomes a region whose copies run under the next graph and whose backward
-    graph reloads at its start (Notes [C1], [C2] of `offload.capture`); ``num_warmup_iters``
+    Each callable becomes a region whose carried groups are copied out after each replay of its
+    forward graph and whose first reloads are issued after the backward replay of the graph
+    captured before it (Notes [C3], [C4] of `offload.capture`); ``num_warmup_iters``
     eager passes (our warm-up; the API runs one of its own) record the regions' plans and size
     the pinned pool; then ``graph_api`` (default ``torch.cuda.make_graphed_callables``; pass
     ``transformer_engine.pytorch.make_graphed_callables`` for TE) captures them, with
@@ -375,14 +376,26 @@ def _reporting_replays(graphed: Any, key: Any) -> Any:
     return replay
 
 
+def _first_tensor(tree: Any, wanted: Callable[[torch.Tensor], bool]) -> torch.Tensor | None:
+    """The first tensor in ``tree`` (a tensor, or containers of them) that is ``wanted``: the
+    common shapes (a tensor, a tuple of them) without pytree's cost on the replay path."""
+    if isinstance(tree, torch.Tensor):
+        return tree if wanted(tree) else None
+    if type(tree) is tuple:
+        found = next((t for t in tree if isinstance(t, torch.Tensor) and wanted(t)), None)
+        if found is not None:
+            return found
+    return next((t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and wanted(t)),
+                None)
+
+
 def _check_reloads_issued(outputs: Any, key: Any, owed: Any) -> None:
     """Before the backward graph of region ``key`` replays (a pre-hook on the API's autograd
     node, which runs after the tensor hooks that issue reloads), raise `OffloadError` unless
     the reloads it waits for (``owed``, a `offload.capture.ReplayCopies`) were issued since this
     forward replay (Note [C4])."""
-    node = next((t.grad_fn for t in torch.utils._pytree.tree_leaves(outputs)
-                 if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
-    if node is None:
+    first = _first_tensor(outputs, lambda t: t.grad_fn is not None)
+    if first is None:
         return
     mark = owed.issues
 
@@ -394,16 +407,19 @@ def _check_reloads_issued(outputs: Any, key: Any, owed: Any) -> None:
                 "not issued (Note [C4] of offload.capture). Replay the graphs' backward in the "
                 "order they were captured")
 
-    node.register_prehook(check)
+    first.grad_fn.register_prehook(check)
+
+
+def _needs_grad(t: torch.Tensor) -> bool:
+    return t.requires_grad
 
 
 def _after_backward(args: tuple, kwargs: dict, key: Any, hook: Callable[[torch.Tensor], None]) -> None:
     """Run ``hook`` once the gradient of the first input that needs one is computed, i.e. after
     the backward of the graph these inputs go into (Note [C4] of `offload.capture`)."""
-    first = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
-    if first is None:  # the slower search, through containers and keyword arguments
-        first = next((a for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                      if isinstance(a, torch.Tensor) and a.requires_grad), None)
+    first = _first_tensor(args, _needs_grad)
+    if first is None and kwargs:
+        first = _first_tensor(kwargs, _needs_grad)
     if first is None:
         raise OffloadError(
             f"offload: graph region {key!r} was called with no input that needs a gradient, but the "

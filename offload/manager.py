@@ -135,6 +135,7 @@ class PipelineOffloadManager:
             current.wait_stream(self.streams.h2d)
         self.chunks.reset()
         if release_pool:
+            self.streams.synchronize()  # no copy after a replay still runs (Note [C3] of offload.capture)
             self.captures.release_graphs()
         self.captures.reset()
         self.copies.reset()
@@ -142,7 +143,6 @@ class PipelineOffloadManager:
         self._names_open.clear()
         self.policy.never_offload_depth = 0
         if release_pool:
-            self.streams.synchronize()
             self.pool.close()
         self.stats.clear()
 

@@ -18,7 +18,7 @@ import ctypes
 import sys
 import weakref
 from collections import deque
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -154,25 +154,63 @@ class CudaStreams:
     def copy(self, stream: torch.cuda.Stream, jobs: Sequence[CopyJob], chunk_bytes: int) -> None:
         """Issue the copies ``jobs`` on ``stream`` (see `CopyJob`), in pieces of at most
         ``chunk_bytes``. The caller has made ``stream`` wait for whatever the copies depend on."""
+        with self.use(stream):  # the stream's device current, as the runtime expects
+            self._copy_on_current(stream, jobs, chunk_bytes)
+
+    def _copy_on_current(self, stream: torch.cuda.Stream, jobs: Sequence[CopyJob], chunk_bytes: int) -> None:
         memcpy = self._memcpy
         if memcpy is None or _sanitizer_watches():
-            with self.use(stream):
-                for dst, src, start in jobs:
-                    copy_in_pieces(dst, _span(src, start, dst.numel()), chunk_bytes)
+            for dst, src, start in jobs:
+                copy_in_pieces(dst, _span(src, start, dst.numel()), chunk_bytes)
             return
         handle = stream.cuda_stream
-        with self.use(stream):  # the stream's device current, as the runtime expects
-            for dst, src, start in jobs:
-                nbytes = dst.nbytes
-                to = dst.data_ptr()
-                frm = src.untyped_storage().data_ptr() + start * src.itemsize
-                step = chunk_bytes if 0 < chunk_bytes < nbytes else max(nbytes, 1)
-                for offset in range(0, nbytes, step):
-                    memcpy(to + offset, frm + offset, min(step, nbytes - offset), handle)
+        for dst, src, start in jobs:
+            nbytes = dst.nbytes
+            to = dst.data_ptr()
+            frm = src.untyped_storage().data_ptr() + start * src.itemsize
+            step = chunk_bytes if 0 < chunk_bytes < nbytes else max(nbytes, 1)
+            for offset in range(0, nbytes, step):
+                memcpy(to + offset, frm + offset, min(step, nbytes - offset), handle)
+
+    def copy_program(self, stream: torch.cuda.Stream, jobs: Sequence[CopyJob], chunk_bytes: int,
+                     done: torch.cuda.Event) -> Callable[[], None]:
+        """The copies ``jobs`` on ``stream`` followed by a record of ``done`` there, as one call to
+        repeat (Note [C3] of `offload.capture`: the same copies after every replay of a graph).
+
+        Captured once, at the first call, into a small CUDA graph of its own: each later call is
+        one graph launch instead of a runtime call per piece and per record, on the host path of
+        every replay. ``jobs`` must keep their addresses for the program's life (a graph pool's
+        blocks and pinned buffers do). The caller orders ``stream`` after what the copies read
+        first, as for `copy`. Where PyTorch's stream sanitizer watches, each call issues the
+        copies through torch instead, for it to check them, and so does a call inside another
+        capture, which records them into that one."""
+        graph: torch.cuda.CUDAGraph | None = None
+        switch = self.use(stream)
+
+        def run() -> None:
+            nonlocal graph
+            if _sanitizer_watches() or self.is_capturing():
+                self.copy(stream, jobs, chunk_bytes)
+                done.record(stream)
+                return
+            if graph is None:
+                captured = torch.cuda.CUDAGraph()
+                with switch:
+                    captured.capture_begin(capture_error_mode="thread_local")
+                    try:
+                        self._copy_on_current(stream, jobs, chunk_bytes)
+                        done.record(stream)
+                    finally:
+                        captured.capture_end()
+                graph = captured
+            with switch:
+                graph.replay()
+
+        return run
 
     def use(self, stream: torch.cuda.Stream) -> contextlib.AbstractContextManager:
         """Make ``stream`` (of this device) current inside a ``with`` block; not reentrant for
-        the same stream, which the engine never needs."""
+        the same stream (that raises: the inner exit would leave ``stream`` current)."""
         switch = self._switches.get(stream.stream_id)
         if switch is None:
             switch = self._switches[stream.stream_id] = _StreamSwitch(stream, self._index)
@@ -208,8 +246,11 @@ class _StreamSwitch:
     def __init__(self, stream: torch.cuda.Stream, index: int) -> None:
         self._ids = (stream.stream_id, stream.device_index, stream.device_type)
         self._index = index
+        self._saved: tuple | None = None
 
     def __enter__(self) -> None:
+        if self._saved is not None:  # a nested use would restore the side stream, not the caller's
+            raise RuntimeError("offload: a stream switch was entered again inside itself")
         self._device = torch._C._cuda_getDevice()
         self._saved = torch._C._cuda_getCurrentStream(self._index)
         sid, index, dtype = self._ids
@@ -217,6 +258,7 @@ class _StreamSwitch:
 
     def __exit__(self, *exc: Any) -> None:
         sid, index, dtype = self._saved
+        self._saved = None
         torch._C._cuda_setStream(stream_id=sid, device_index=index, device_type=dtype)
         if self._device != self._index:  # setting a stream makes its device current
             torch._C._cuda_setDevice(self._device)
@@ -432,6 +474,15 @@ class HostStreams:
         if self.violations:
             self._report()
         stream.enqueue(_HostCopy(self, jobs, stream is self.d2h, chunk_bytes))
+
+    def copy_program(self, stream: _HostStream, jobs: Sequence[CopyJob], chunk_bytes: int,
+                     done: _HostEvent) -> Callable[[], None]:
+        """`CudaStreams.copy_program`: here `copy` and a record of ``done`` at each call."""
+        def run() -> None:
+            self.copy(stream, jobs, chunk_bytes)
+            done.record(stream)
+
+        return run
 
     def is_capturing(self) -> bool:
         return False

@@ -497,6 +497,65 @@ def test_reloads_after_a_backward_replay_are_checked(configure):
         h0.backward(torch.ones_like(h0))
 
 
+def test_a_copy_program_is_captured_once_and_repeats_its_copies(monkeypatch):
+    """`CudaStreams.copy_program`: the copies after each replay are one small graph, captured at
+    the first call and launched at each: every call copies what the source holds then (in
+    pieces) and records the event. Inside another capture, and under the stream sanitizer,
+    the copies are issued through the runtime instead (recorded by that capture)."""
+    from offload.streams import CudaStreams
+
+    captures = []
+    begin = torch.cuda.CUDAGraph.capture_begin
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin",
+                        lambda self, *a, **k: (captures.append(1), begin(self, *a, **k))[1])
+    streams = CudaStreams(torch.device("cuda"))
+    source = torch.empty(3 * 2**20 + 5, dtype=torch.uint8, device="cuda")
+    host = torch.empty(source.numel(), dtype=torch.uint8, pin_memory=True)
+    done = streams.event(external=True)
+    done.record(streams.current())
+    program = streams.copy_program(streams.d2h, [(host, source, 0)], 2**20, done)
+    ready = streams.event()
+
+    def call():
+        ready.record(streams.current())
+        streams.d2h.wait_event(ready)
+        program()
+
+    def fill(seed):
+        source.random_(generator=torch.Generator(device="cuda").manual_seed(seed))
+
+    for seed in range(3):
+        fill(seed)
+        call()
+        done.synchronize()
+        assert torch.equal(host, source.cpu()), f"call {seed}"
+    assert len(captures) == 1, "captured at the first call only"
+
+    outer = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(outer):
+        call()
+        streams.current().wait_stream(streams.d2h)
+    assert len(captures) == 2, "inside another capture: recorded there, no graph of its own"
+    fill(3)
+    outer.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(host, source.cpu()), "the outer graph copies"
+
+    monkeypatch.setattr(offload.streams, "_sanitizer_watches", lambda: True)
+    fill(4)
+    call()
+    done.synchronize()
+    assert torch.equal(host, source.cpu()), "under the sanitizer"
+    assert len(captures) == 2, "under the sanitizer: no capture"
+
+    caller = streams.current_id()
+    with streams.use(streams.d2h):
+        with pytest.raises(RuntimeError, match="entered again"):
+            with streams.use(streams.d2h):
+                pass
+    assert streams.current_id() == caller, "a stream switch restores the caller's stream"
+
+
 POOL_SEQ = 2048
 
 
