@@ -56,8 +56,10 @@ Note [C3] Copies issued after the replay of the graph that saved them. Under [C1
     then frees the blocks inside the pool, as under [C1]; until then they hold what the
     copies read, since only captures allocate from the pool. The event is recorded once
     before the captures: a CUDA event is created at its first record, and a wait on one that
-    was never created is not captured. A call that ran the region eagerly instead of
-    replaying (a module in another training mode than the one captured) issues nothing.
+    was never created is not captured. The copies and the record are the same after every
+    replay, so they are issued as one launch of a small graph captured at the first replay
+    (`CudaStreams.copy_program`). A call that ran the region eagerly instead of replaying (a
+    module in another training mode than the one captured) issues nothing.
     Captures through `torch.cuda.graph` (`offload.graphs.graph`) replay out of the engine's
     sight and keep [C1].
 
