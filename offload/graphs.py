@@ -416,7 +416,9 @@ def _needs_grad(t: torch.Tensor) -> bool:
 
 def _after_backward(args: tuple, kwargs: dict, key: Any, hook: Callable[[torch.Tensor], None]) -> None:
     """Run ``hook`` once the gradient of the first input that needs one is computed, i.e. after
-    the backward of the graph these inputs go into (Note [C4] of `offload.capture`)."""
+    the backward of the graph these inputs go into (Note [C4] of `offload.capture`). The hook
+    removes itself when it runs: an input that outlives the step (a leaf the caller keeps)
+    would otherwise gather one hook per replay, each issuing the reloads again."""
     first = _first_tensor(args, _needs_grad)
     if first is None and kwargs:
         first = _first_tensor(kwargs, _needs_grad)
@@ -425,4 +427,9 @@ def _after_backward(args: tuple, kwargs: dict, key: Any, hook: Callable[[torch.T
             f"offload: graph region {key!r} was called with no input that needs a gradient, but the "
             "backward graph after its own reads what is reloaded once its backward ran (Note [C4] "
             "of offload.capture): call it with the inputs it was captured with")
-    first.register_hook(hook)
+
+    def once(grad: torch.Tensor) -> None:
+        handle.remove()
+        hook(grad)
+
+    handle = first.register_hook(once)

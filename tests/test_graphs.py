@@ -541,3 +541,17 @@ def test_graph_pool_trace_says_it_needs_cuda():
                          capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
     assert "needs a CUDA device" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_the_hook_after_a_backward_replay_runs_once_per_replay():
+    """`_after_backward` hooks the first input that needs a gradient and removes the hook when
+    it runs: a leaf the caller keeps across steps gets one run per backward, not one per
+    replay so far."""
+    x = torch.ones(3, requires_grad=True)
+    fired = []
+    for step in range(3):
+        offload.graphs._after_backward((x,), {}, "region", lambda _grad, step=step: fired.append(step))
+        (x * 2).sum().backward()
+    assert fired == [0, 1, 2]
+    with pytest.raises(OffloadError, match="no input that needs a gradient"):
+        offload.graphs._after_backward((torch.ones(3),), {"y": torch.ones(1)}, "region", fired.append)

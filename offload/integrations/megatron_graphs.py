@@ -9,8 +9,9 @@ Megatron-core has three CUDA-graph implementations (``--cuda-graph-impl``):
   name it imported into ``megatron.core.transformer.cuda_graphs``. `route_te_graphs` rebinds
   that name to ``offload.graphs.make_graphed_callables(..., graph_api=<TE's function>)``, so
   each layer becomes a graph region: the offload groups inside the captured part are captured
-  (their copies and reloads replay with the graph, Notes [C1] and [C2] of `offload.capture`)
-  and the groups in the eager part offload eagerly, as anywhere. Supported.
+  (their copies and reloads are issued after the replays, Notes [C3] and [C4] of
+  `offload.capture`, so they also run under the eager part) and the groups in the eager part
+  offload eagerly, as anywhere. Supported.
 * ``local``: Megatron's own ``CudaGraphManager`` captures with its own runners, outside any
   offload region: refused.
 * ``full_iteration``: one graph for the whole forward and backward: refused.

@@ -211,6 +211,19 @@ def test_transformer_engine_graphs_pass_the_check(mg, config, names, label, insi
     mg.check_compatible(config, names.split(","))
 
 
+def test_the_graph_regions_name_only_known_names_and_cover_them_all(mg):
+    """megatron_graphs' table of which names each capture region holds spells the names out (it
+    cannot import the integration's name lists: the integration imports it): every name there
+    is one `NAMES` has, and each of `NAMES` is in some region, so an unknown region ("all")
+    and a renamed name cannot drift apart."""
+    from offload.integrations import megatron_graphs
+
+    regions = megatron_graphs._GRAPH_REGIONS
+    assert {n for names in regions.values() for n in names} == set(mg.NAMES)
+    assert regions["mlp"] == ("mlp_norm",) + mg._DENSE_MLP_NAMES
+    assert regions["moe"] == ("mlp_norm",) + mg._MOE_NAMES
+
+
 @pytest.mark.parametrize("field, flag", [("overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm"),
                                          ("delay_wgrad_compute", "--delay-wgrad-compute")])
 def test_transformer_engine_graphs_with_split_weight_gradients_are_refused(mg, field, flag):
