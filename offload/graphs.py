@@ -24,6 +24,10 @@ What this needs, and what this module provides:
 * **Copies issued after a replay.** The callables `make_graphed_callables` returns tell the
   engine when their graph replayed, and then the copies carried out of that graph are issued
   eagerly after it, so they also run under eager work between graphs (Note [C3]).
+* **No garbage collected inside a capture.** A CUDA graph destroyed during another capture
+  invalidates it, and dead graphs wait in reference cycles for the collector, which PyTorch
+  no longer runs before capturing: `graph` and `make_graphed_callables` collect first and keep
+  the collector off until their captures end (`offload.streams.no_collection_during_capture`).
 * **Buffers owned by graphs.** A captured group's pinned buffers never return to the pool
   (every replay writes them); `CaptureSessions.release_graphs` gives them back once the
   graphs are gone.
@@ -49,6 +53,7 @@ import torch
 
 from .errors import OffloadError
 from .manager import PipelineOffloadManager
+from .streams import no_collection_during_capture
 
 __all__ = ["region", "join", "graph", "make_graphed_callables"]
 
@@ -84,9 +89,11 @@ def graph(cuda_graph: torch.cuda.CUDAGraph, key: Any = "graph", **graph_kwargs: 
 
     Run the same body eagerly inside ``offload.graphs.region(key)`` at least once before (the
     warm-up that PyTorch asks for anyway); this synchronizes the device before capturing, as
-    a capture must not depend on eager copies still in flight."""
+    a capture must not depend on eager copies still in flight, and collects Python's garbage,
+    keeping the collector off during the capture (a dead graph destroyed inside it would
+    invalidate it)."""
     torch.cuda.synchronize()
-    with torch.cuda.graph(cuda_graph, **graph_kwargs):
+    with no_collection_during_capture(), torch.cuda.graph(cuda_graph, **graph_kwargs):
         with region(key):
             yield
 
@@ -250,8 +257,10 @@ def make_graphed_callables(
     autocast TE wraps the callables in (FP8 saves other tensors than bf16 does). Returns what
     ``graph_api`` returns, for the wrapped callables (call those, not the originals), each
     also reporting its replays: the copies the next graph would carry are issued eagerly
-    after them (Note [C3]). Modules must not carry hooks of their own at the top (PyTorch
-    refuses them); groups attached to submodules are what offloading uses.
+    after them (Note [C3]). Python's garbage is collected before the API's captures and the
+    collector stays off while they run (a dead graph destroyed inside a capture invalidates
+    it). Modules must not carry hooks of their own at the top (PyTorch refuses them); groups
+    attached to submodules are what offloading uses.
     """
     single = callable(callables) and not isinstance(callables, (tuple, list))
     fns = (callables,) if single else tuple(callables)
@@ -340,8 +349,9 @@ def _capture(fns: tuple, args: tuple, kwargs: tuple, single: bool, passes: list[
     manager.captures.prepare_replays(keys)
     # torch's API needs no warm-up after ours; Transformer Engine's records per-callable state
     # in its own (which runs with the engine suspended, above).
-    graphed = api(wrapped[0] if single else wrapped, args[0] if single else args,
-                  num_warmup_iters=0 if own_api else 1, **graph_kwargs)
+    with no_collection_during_capture():  # no earlier graph may die inside these captures
+        graphed = api(wrapped[0] if single else wrapped, args[0] if single else args,
+                      num_warmup_iters=0 if own_api else 1, **graph_kwargs)
     if single:
         return _reporting_replays(graphed, keys[0])
     return tuple(_reporting_replays(fn, key) for fn, key in zip(graphed, keys))

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import sys
 import weakref
 from collections import deque
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -95,6 +96,29 @@ def _sanitizer_watches() -> bool:
     dispatcher, so the engine then copies with ``Tensor.copy_`` for it to check every copy."""
     module = sys.modules.get("torch.cuda._sanitizer")
     return module is not None and module.cuda_sanitizer.enabled
+
+
+@contextlib.contextmanager
+def no_collection_during_capture(collect_first: bool = True) -> Iterator[None]:
+    """Keep Python's cyclic garbage collector off while CUDA graphs are captured inside the
+    block, after one collection first (``collect_first``).
+
+    A CUDA graph destroyed while another graph is being captured invalidates that capture
+    (``cudaErrorStreamCaptureInvalidated``; a captured graph and its output, collected inside
+    a capture of torch 2.11, do it), and graphs often die in reference cycles (``torch.cuda.make_graphed_callables`` builds its
+    autograd functions around them), that is whenever the collector happens to run. Since
+    ``torch.cuda.graph`` no longer collects before it captures (PyTorch's
+    ``torch.compiler.config.force_cudagraph_gc``, default off), a dead graph from an earlier
+    capture could break a later one at a point that depends on allocation counts."""
+    if collect_first:
+        gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 # ---------------------------------------------------------------------------- CUDA
@@ -195,7 +219,7 @@ class CudaStreams:
                 return
             if graph is None:
                 captured = torch.cuda.CUDAGraph()
-                with switch:
+                with switch, no_collection_during_capture(collect_first=False):
                     captured.capture_begin(capture_error_mode="thread_local")
                     try:
                         self._copy_on_current(stream, jobs, chunk_bytes)

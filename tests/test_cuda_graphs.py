@@ -17,6 +17,7 @@ import copy
 import gc
 import json
 import os
+import weakref
 from collections import Counter
 
 import pytest
@@ -495,6 +496,62 @@ def test_reloads_after_a_backward_replay_are_checked(configure):
     graphed.fns[1](x.clone().requires_grad_(True))
     with pytest.raises(OffloadError, match="its reloads were not issued"):
         h0.backward(torch.ones_like(h0))
+
+
+class _DropsAGraphWhileCaptured(nn.Module):
+    """A layer that, the first time it runs under capture, leaves a captured CUDA graph and its
+    output to a reference cycle alone, then allocates enough for the collector to run: a dead
+    graph (as ``torch.cuda.make_graphed_callables`` and the engine's own cycles leave them)
+    collected in a later capture."""
+
+    def __init__(self, layer, graph, output):
+        super().__init__()
+        self.layer = layer
+        self.graph = (graph, output)
+
+    def forward(self, x):
+        if self.graph is not None and torch.cuda.is_current_stream_capturing():
+            cycle = [*self.graph]
+            cycle.append(cycle)
+            self.graph = cycle = None
+            pressure = [[] for _ in range(4 * gc.get_threshold()[0])]  # the collector would run here
+            del pressure
+        return self.layer(x)
+
+
+def test_a_dead_graph_is_not_collected_inside_a_capture(configure):
+    """A CUDA graph destroyed during another capture invalidates that capture, and PyTorch no
+    longer collects garbage before it captures: `make_graphed_callables` collects first and
+    keeps the collector off until its captures end. Without that this capture fails."""
+    configure(NAMES, device="cuda", min_tensor_bytes=1 << 16)
+    model = _model(layers=1)
+    ref = copy.deepcopy(model)
+    offload.attach(model, GPT_MAPPING)
+    dead = torch.cuda.CUDAGraph()
+    x = torch.zeros(4, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        dead.capture_begin()
+        y = x + 1  # in the graph's own pool, as a graph's static outputs are
+        dead.capture_end()
+    torch.cuda.synchronize()
+    layer = _DropsAGraphWhileCaptured(model.layers[0], dead, y)
+    died_capturing = []
+    watch = weakref.ref(dead, lambda _: died_capturing.append(torch.cuda.is_current_stream_capturing()))
+    del dead, y
+    sample = (torch.randn(SEQ, BATCH, HIDDEN, device="cuda", requires_grad=True),)
+    (fn,) = offload.graphs.make_graphed_callables((layer,), (sample,))
+    assert gc.isenabled()
+    gc.collect()  # the graph in the cycle dies here, after the captures
+    assert layer.graph is None and watch() is None
+    assert died_capturing == [False]  # collected after the captures, not inside one
+    data = _inputs(0, microbatches=1)
+    xs = [data[0][0].clone().requires_grad_(True)]
+    out = fn(xs[0])
+    out.backward(data[0][1])
+    offload.end_iteration()
+    _assert_equal(([out.detach()], _grads(model, xs)), _eager_step(ref, data, [1, -1]))
 
 
 def test_a_copy_program_is_captured_once_and_repeats_its_copies(monkeypatch):

@@ -530,14 +530,17 @@ def test_torch_compile_stays_exact(configure):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
-def test_graph_pool_trace_says_it_needs_cuda():
-    """benchmarks/graph_pool_trace.py exits non-zero with a message, not a traceback, without CUDA."""
+@pytest.mark.parametrize("script", ["graph_pool_trace.py", "copy_fit.py"])
+def test_graph_benchmarks_say_they_need_cuda(script):
+    """The CUDA-only graph benchmarks exit non-zero with a message, not a traceback, without CUDA."""
     import subprocess
     import sys
     from pathlib import Path
 
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
     root = Path(__file__).resolve().parents[1]
-    run = subprocess.run([sys.executable, str(root / "benchmarks" / "graph_pool_trace.py")],
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / script)],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
     assert "needs a CUDA device" in run.stderr and "Traceback" not in run.stderr
@@ -555,3 +558,44 @@ def test_the_hook_after_a_backward_replay_runs_once_per_replay():
     assert fired == [0, 1, 2]
     with pytest.raises(OffloadError, match="no input that needs a gradient"):
         offload.graphs._after_backward((torch.ones(3),), {"y": torch.ones(1)}, "region", fired.append)
+
+
+def test_no_collection_during_capture_collects_first_and_keeps_the_collector_off():
+    """What the capture wrappers run their captures in: garbage from before is collected (a dead
+    CUDA graph must not be destroyed inside a capture), the cyclic collector stays off inside,
+    and its state is restored after, on an error too."""
+    import gc
+    import weakref
+
+    from offload.streams import no_collection_during_capture
+
+    class Node:
+        pass
+
+    def dead_cycle():
+        node = Node()
+        node.self = node
+        return weakref.ref(node)
+
+    assert gc.isenabled()
+    dead = dead_cycle()
+    assert dead() is not None
+    with no_collection_during_capture():
+        assert dead() is None
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    dead = dead_cycle()
+    with no_collection_during_capture(collect_first=False):
+        assert dead() is not None
+    gc.collect()
+    with pytest.raises(ValueError):
+        with no_collection_during_capture():
+            raise ValueError("inside")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with no_collection_during_capture():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
