@@ -8,7 +8,9 @@ Note [1] Offload after the tensor exists. The D2H stream waits on the group's ``
 Note [2] Reload after the memory it replaces is free, into memory the compute stream owns.
     A reload is issued from the backward of the group after it; its buffers are allocated
     on the current (compute) stream, so the caching allocator orders their reuse with that
-    stream, and the H2D stream first waits on the compute stream at that point.
+    stream, and the H2D stream first waits on the compute stream at that point (one event
+    the queue records again for each reload: a wait takes the event's state when it is
+    issued, and ``Stream.wait_stream`` would create an event per reload on the hot path).
 
 Note [3] Reload after the offload. The H2D stream waits on the D2H event of every group whose
     records it reads (Megatron-LM #7398 reloaded without this edge and read stale data).
@@ -67,6 +69,7 @@ class CopyQueue:
         self.inflight: deque[OffloadGroup] = deque()
         self.carried = 0  # the first ``carried`` groups in flight are outside the bound (`carry_in`)
         self.deferred: list[OffloadGroup] = []  # decided, not yet issued (Note [7])
+        self._reload_after = streams.event()  # where the H2D stream waits for the compute stream (Note [2])
 
     # ------------------------------------------------------------------ offload
     def offload(self, group: OffloadGroup, bound: bool = True, replay: Any = None) -> None:
@@ -232,7 +235,8 @@ class CopyQueue:
         else:
             nvtx.push("reload/" + group.label)
             h2d = streams.h2d
-            h2d.wait_stream(current)  # Note [2]
+            self._reload_after.record(current)  # Note [2]
+            h2d.wait_event(self._reload_after)
             owners = {id(rec.group): rec.group for rec in todo}
             for owner in owners.values():
                 if owner.capture is None or owner.capture is session:

@@ -325,8 +325,6 @@ class _HostEvent:
         if self.stream is not None:
             self.stream.run_until(self.position)
 
-    __call__ = synchronize  # queued as a side stream's wait
-
 
 class _HostStream:
     """A queue of deferred operations. The compute stream is the host itself (``eager``):
@@ -360,13 +358,16 @@ class _HostStream:
             self._running = False
 
     def wait_event(self, event: _HostEvent) -> None:
+        """Wait for the work before ``event`` as it is now: recording the event again later
+        moves no wait already issued, as on a GPU."""
         stream = event.stream
         if stream is None or stream is self or stream.eager:  # the compute stream's work is done
             return
         if self.eager:
             event.synchronize()
         else:
-            self.enqueue(event)
+            position = event.position
+            self.enqueue(lambda: stream.run_until(position))
 
     def wait_stream(self, stream: "_HostStream") -> None:
         if stream.eager or stream is self:

@@ -478,3 +478,43 @@ def test_last_group_of_a_name_frees_the_copies_in_flight(configure, modules):
     assert in_flight_at_forward_end[0]  # the first forward: the group before the last one
     assert in_flight_at_forward_end[1:] == [[], []]
     assert manager.live_handlers == []
+
+
+def test_a_host_stream_wait_takes_the_event_as_it_is_when_issued():
+    """As on a GPU (``cudaStreamWaitEvent``), recording an event again after a wait was issued
+    does not move that wait: the CPU fallback queues the event's position, not the event."""
+    from offload.streams import HostStreams
+
+    streams = HostStreams()
+    ran = []
+    streams.d2h.enqueue(lambda: ran.append("first"))
+    event = streams.event()
+    event.record(streams.d2h)
+    streams.h2d.wait_event(event)
+    streams.h2d.enqueue(lambda: ran.append("after the wait"))
+    streams.d2h.enqueue(lambda: ran.append("second"))
+    event.record(streams.d2h)  # again, later: the wait above still means "after first"
+    streams.h2d.run_until(streams.h2d.issued)
+    assert ran == ["first", "after the wait"]
+
+
+def test_a_reload_orders_its_stream_with_one_reused_event(configure, monkeypatch):
+    """Note [2] of offload.copy_queue: the H2D stream waits for the compute stream through one
+    event the queue records again for each reload, not ``wait_stream`` (an event made per
+    reload on the hot path); gradients stay exact."""
+    from offload.streams import _HostStream
+
+    calls = []
+    monkeypatch.setattr(_HostStream, "wait_stream", lambda self, other: calls.append(self.name))
+    model = build_gpt(64, 4, 3)
+    ref_model = copy.deepcopy(model)
+    configure(["core_attn", "fc1"])
+    offload.attach(model, GPT_MAPPING)
+    for it in range(2):
+        x, g = seeded_pair(it, 16, 2, 64)
+        ref_out, ref = train_step(ref_model, x, g)
+        out, got = train_step(model, x, g)
+        assert torch.equal(out, ref_out) and first_difference(ref, got) is None
+        stats = offload.end_iteration()
+        assert sum(s.groups_offloaded for s in stats.by_name.values()) == 4  # 2 layers of 3, 2 names
+    assert calls == []
