@@ -1,10 +1,11 @@
 """Megatron-core integration: ``--offload-modules=core_attn,expert_fc1`` without editing Megatron.
 
-Three pieces, each usable alone:
+The pieces, each usable alone (this module attaches and wraps; the others are its parts):
 
-* **Names → modules.** `find_modules` walks a model chunk and finds, in every
-  ``TransformerLayer``, the megatron-core modules behind each offload name (table below).
-  `apply` configures the engine and attaches those groups to each model chunk
+* **Names → modules** (`offload.integrations.megatron_names`). `find_modules` walks a model
+  chunk and finds, in every ``TransformerLayer``, the megatron-core modules behind each offload
+  name (table below); `check_compatible` refuses a name that would offload nothing or break
+  Megatron. `apply` configures the engine and attaches those groups to each model chunk
   (``offload.attach``, whose forward pre-hook on the chunk starts a chunk × microbatch handler).
 * **The schedule.** `wrap_forward_backward_func` wraps the function that
   ``get_forward_backward_func()`` returns: before it runs, the rank's order of chunk forwards
@@ -12,13 +13,15 @@ Three pieces, each usable alone:
   ``offload.end_iteration()`` closes the iteration. For Megatron-LM's ``pretrain``, which
   fetches that function itself, `wrap_model_provider` installs the same wrapper by rebinding
   ``get_forward_backward_func`` in the loaded Megatron modules (in memory; no file changes).
-* **The flag.** `add_arguments` (usable as Megatron's ``extra_args_provider``) adds
-  ``--offload-modules`` (or reuses Megatron-LM's own flag of that name), the minimum tensor
-  size, the in-flight bound and the policy; `apply_from_args` reads them.
-* **The plan.** ``--offload-modules=auto --offload-memory-budget=-30%`` lets `offload.plan`
-  choose, under the budget, which of the names below to offload and which containers (each
-  ``TransformerLayer``, its ``self_attention``, its ``mlp``) to recompute. The wrapped
-  ``forward_backward_func`` makes the plan on its first training call (`MegatronOffload.wrap`).
+* **The flags** (`offload.integrations.megatron_flags`). `add_arguments` (usable as
+  Megatron's ``extra_args_provider``) adds ``--offload-modules`` (or reuses Megatron-LM's own
+  flag of that name), the minimum tensor size, the in-flight bound and the policy;
+  `apply_from_args` reads them.
+* **The plan** (`offload.integrations.megatron_plan`). ``--offload-modules=auto
+  --offload-memory-budget=-30%`` lets `offload.plan` choose, under the budget, which of the
+  names below to offload and which containers (each ``TransformerLayer``, its
+  ``self_attention``, its ``mlp``) to recompute. The wrapped ``forward_backward_func`` makes
+  the plan on its first training call (`MegatronOffload.wrap`).
 
 Names (relative to each ``TransformerLayer``; "saves" is what autograd keeps for backward):
 
@@ -127,12 +130,8 @@ to ``None``; both keep the deprecated booleans ``enable_cuda_graph`` = local and
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import functools
-import math
-import re
 import sys
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -140,23 +139,22 @@ from torch import nn
 
 import offload
 from offload import group_policy
-from offload.config import DEFAULT_MIN_TENSOR_BYTES, check_known, parse_module_list
+from offload.config import DEFAULT_MIN_TENSOR_BYTES, parse_module_list
 from offload.errors import OffloadError, OffloadValueError, UnknownModuleError
-from offload.regions import exact_pattern
 from offload.planner.budget import Budget
 from offload.schedules import schedule_table, table_to_order
 from offload.stats import IterationStats
 
+from .megatron_flags import Options, add_arguments, check_auto_options, parse_policy
 from .megatron_graphs import check_cuda_graphs, cuda_graph_mode, route_te_graphs
+from .megatron_names import (AUTO, MEGATRON_OWN_NAMES, NAMES, ChunkModules, _ACT_NAMES, check_compatible,
+                             find_modules, megatron_version, module_patterns, to_megatron_names)
 
 if TYPE_CHECKING:
     from .megatron_plan import AutoSettings
 
 try:
-    import megatron.core as _mcore
     from megatron.core import parallel_state
-    from megatron.core.transformer.identity_op import IdentityOp
-    from megatron.core.transformer.transformer_layer import TransformerLayer
 except ImportError as exc:  # pragma: no cover - exercised only without megatron-core
     raise ImportError(
         "offload.integrations.megatron needs megatron-core (pip install 'offload[megatron]')"
@@ -184,491 +182,6 @@ __all__ = [
     "wrap_forward_backward_func",
     "wrap_model_provider",
 ]
-
-NAMES: dict[str, str] = {
-    "attn_norm": "input_layernorm: its input (the residual stream); fused into linear_qkv (TE): use qkv_linear",
-    "qkv_linear": "self_attention.linear_qkv (MLA: the q/kv down and up projections): its input; "
-                  "with a fused norm (TE) also the norm's input",
-    "core_attn": "self_attention.core_attention: q, k, v and the attention probabilities (fused: the output)",
-    "attn_proj": "self_attention.linear_proj: its input (the attention context)",
-    "mlp_norm": "pre_mlp_layernorm: its input (the residual stream); fused into linear_fc1 (TE, dense): use fc1",
-    "fc1": "mlp.linear_fc1 of a dense MLP: its input; with a fused norm (TE) also the norm's input",
-    "mlp_act": "the dense MLP's activation (between fc1 and fc2): the fc1 output",
-    "fc2": "mlp.linear_fc2 of a dense MLP: its input (the activation)",
-    "router": "mlp.router of a MoE layer: its input and the routing tensors",
-    "expert_fc1": "the experts' linear_fc1 (SequentialMLP or TEGroupedMLP): the routed tokens",
-    "moe_act": "the experts' activation (between fc1 and fc2): the fc1 output and the probs",
-    "expert_fc2": "the experts' linear_fc2: the weighted activation",
-}
-"""Every name this integration knows, with the module it maps to and what that saves."""
-
-AUTO = "auto"
-"""``--offload-modules=auto``: the planner chooses among `NAMES` and the layers' containers."""
-
-MEGATRON_OWN_NAMES: frozenset[str] = frozenset(
-    {"attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act"})
-"""The names that Megatron's own ``--fine-grained-activation-offloading`` shares with this
-integration, with the same meaning (``transformer_config.py``'s ``allowed_modules``, 0.16 and
-0.19; 0.19 adds ``fused_group_mlp``, which this integration does not map)."""
-
-# Which of Megatron's selective recompute modules make an offload name offload nothing
-# (recompute wins): the region runs under no_grad, or (moe_act with moe_act) what it saves is
-# the checkpoint's detached input, a leaf that requires grad, which the engine never offloads.
-_RECOMPUTED_BY: dict[str, tuple[str, ...]] = {
-    "core_attn": ("core_attn",),
-    "attn_norm": ("layernorm",),
-    "mlp_norm": ("layernorm",),
-    "fc1": ("mlp",),
-    "mlp_act": ("mlp",),
-    "fc2": ("mlp",),
-    "router": ("moe",),
-    "expert_fc1": ("moe",),
-    "moe_act": ("moe", "moe_act"),
-    "expert_fc2": ("moe",),
-}
-
-_ACT_NAMES = ("mlp_act", "moe_act")
-_MLA_QKV = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj",
-            "linear_kv_down_proj", "linear_kv_up_proj", "linear_qkv_down_proj")
-_MLA_DOWN = ("linear_q_down_proj", "linear_kv_down_proj", "linear_qkv_down_proj")
-_MOE_NAMES = ("router", "expert_fc1", "moe_act", "expert_fc2")
-_DENSE_MLP_NAMES = ("fc1", "mlp_act", "fc2")
-
-
-def megatron_version() -> tuple[int, int]:
-    """megatron-core's (major, minor) version."""
-    major, minor = _mcore.__version__.split(".")[:2]
-    return int(major), int(minor)
-
-
-# ---------------------------------------------------------------------------------- mapping
-@dataclass
-class ChunkModules:
-    """What `find_modules` found in one model chunk.
-
-    ``modules`` maps a name to the qualified names of its modules; ``act_regions`` maps
-    ``mlp_act``/``moe_act`` to (mlp, fc1, fc2) qualified-name triples; ``absent`` says, for
-    names the chunk lacks although it has transformer layers, why. ``covered`` maps a norm
-    name whose norm is fused into the next linear layer (Transformer Engine) to the name of
-    that layer, which offloads what the norm saves. ``sequential_experts`` lists the
-    SequentialMLP modules (each one ``expert_fc1`` group).
-    """
-
-    modules: dict[str, list[str]] = field(default_factory=dict)
-    act_regions: dict[str, list[tuple[str, str, str]]] = field(default_factory=dict)
-    absent: dict[str, str] = field(default_factory=dict)
-    covered: dict[str, str] = field(default_factory=dict)
-    sequential_experts: list[str] = field(default_factory=list)
-    num_layers: int = 0
-
-    @property
-    def names(self) -> set[str]:
-        return {n for n, v in self.modules.items() if v} | {n for n, v in self.act_regions.items() if v}
-
-
-def _real(module: Any) -> bool:
-    return isinstance(module, nn.Module) and not isinstance(module, IdentityOp)
-
-
-def fuses_norm(module: Any) -> bool:
-    """Whether ``module`` is a linear layer with its input norm fused in: Transformer Engine's
-    ``LayerNormLinear`` (megatron's ``TELayerNormColumnParallelLinear``), recognised by its
-    ``layer_norm_weight`` parameter without importing Transformer Engine."""
-    return _real(module) and isinstance(getattr(module, "layer_norm_weight", None), nn.Parameter)
-
-
-def _op_fused(module: Any) -> bool:
-    """Whether an MLP or experts module runs Transformer Engine's operation fuser, which calls
-    neither ``linear_fc1`` nor ``linear_fc2`` (``TEFusedMLP``; ``TEGroupedMLP`` with
-    ``use_transformer_engine_op_fuser``, megatron-core 0.19)."""
-    return bool(getattr(module, "_with_fused_impl", False)) or type(module).__name__.startswith("TEFusedMLP")
-
-
-def _describe(module: nn.Module) -> str:
-    return type(module).__name__
-
-
-def find_modules(chunk: nn.Module) -> ChunkModules:
-    """Find the modules behind every name of `NAMES` in ``chunk`` (a model chunk, wrapped or not).
-
-    Qualified names are relative to ``chunk`` itself, so that `offload.attach` on ``chunk``
-    finds them.
-    """
-    found = ChunkModules()
-    add = lambda name, qn: found.modules.setdefault(name, []).append(qn)  # noqa: E731
-    why: dict[str, str] = {}
-
-    def norm(layer: nn.Module, p: str, name: str, attr: str, fused: list[tuple[str, nn.Module]],
-             covering: str) -> None:
-        """The norm ``attr`` of ``layer`` as ``name``; where it is fused into the linear layers
-        ``fused`` (relative names and modules), ``name`` is covered by ``covering``."""
-        if _real(getattr(layer, attr, None)):
-            add(name, p + attr)
-            return
-        into = [(qn, m) for qn, m in fused if fuses_norm(m)]
-        if into:
-            where = ", ".join(f"{qn} ({_describe(m)})" for qn, m in into)
-            found.covered[name] = covering
-            why[name] = (f"{attr} is an IdentityOp: the norm is fused into {where}, one Transformer "
-                         f"Engine function that saves the norm's input and output together; "
-                         f"--offload-modules {covering} offloads both (with {covering}, {name} is "
-                         "accepted as covered by it)")
-        else:
-            why[name] = f"{attr} is an IdentityOp and no linear layer after it fuses a norm: there is no norm"
-
-    for qn, layer in chunk.named_modules():
-        if not isinstance(layer, TransformerLayer):
-            continue
-        found.num_layers += 1
-        p = f"{qn}." if qn else ""
-        attn = getattr(layer, "self_attention", None)
-        attn = attn if _real(attn) else None
-        after_norm = [(f"self_attention.{sub}", getattr(attn, sub)) for sub in ("linear_qkv", *_MLA_DOWN)
-                      if attn is not None and _real(getattr(attn, sub, None))]
-        norm(layer, p, "attn_norm", "input_layernorm", after_norm, "qkv_linear")
-        if attn is not None:
-            a = p + "self_attention."
-            if _real(getattr(attn, "linear_qkv", None)):
-                add("qkv_linear", a + "linear_qkv")
-            for sub in _MLA_QKV:  # multi-latent attention
-                if _real(getattr(attn, sub, None)):
-                    add("qkv_linear", a + sub)
-            if _real(getattr(attn, "core_attention", None)):
-                add("core_attn", a + "core_attention")
-            if _real(getattr(attn, "linear_proj", None)):
-                add("attn_proj", a + "linear_proj")
-        mlp = getattr(layer, "mlp", None)
-        fc1 = getattr(mlp, "linear_fc1", None) if getattr(mlp, "experts", None) is None else None
-        norm(layer, p, "mlp_norm", "pre_mlp_layernorm", [("mlp.linear_fc1", fc1)] if _real(fc1) else [], "fc1")
-        if not _real(mlp):
-            continue
-        m = p + "mlp."
-        experts = getattr(mlp, "experts", None)
-        if experts is None:  # dense MLP
-            if _op_fused(mlp):
-                for name in _DENSE_MLP_NAMES + ("mlp_norm",):
-                    why[name] = (f"the MLP is a {_describe(mlp)} (--use-te-op-fuser): its norm, fc1, activation "
-                                 "and fc2 run as one Transformer Engine operation sequence that does not call "
-                                 "linear_fc1 or linear_fc2; drop --use-te-op-fuser to offload them")
-                found.covered.pop("mlp_norm", None)
-            elif _real(getattr(mlp, "linear_fc1", None)) and _real(getattr(mlp, "linear_fc2", None)):
-                add("fc1", m + "linear_fc1")
-                add("fc2", m + "linear_fc2")
-                found.act_regions.setdefault("mlp_act", []).append(
-                    (p + "mlp", m + "linear_fc1", m + "linear_fc2"))
-            continue
-        if _real(getattr(mlp, "router", None)):
-            add("router", m + "router")
-        local = getattr(experts, "local_experts", None)
-        if local is not None:  # SequentialMLP: one MLP per local expert
-            add("expert_fc1", m + "experts")
-            found.sequential_experts.append(m + "experts")
-            for i, expert in enumerate(local):
-                e = f"{m}experts.local_experts.{i}."
-                add("expert_fc2", e + "linear_fc2")
-                found.act_regions.setdefault("moe_act", []).append(
-                    (e[:-1], e + "linear_fc1", e + "linear_fc2"))
-        elif _op_fused(experts):
-            for name in ("expert_fc1", "moe_act", "expert_fc2"):
-                why[name] = (f"the experts are a {_describe(experts)} run by Transformer Engine's operation fuser "
-                             "(--use-transformer-engine-op-fuser): fc1, activation and fc2 are one fused op that "
-                             "does not call linear_fc1 or linear_fc2 (Megatron's own offloading calls it "
-                             "fused_group_mlp); drop the op fuser to offload them")
-        elif _real(getattr(experts, "linear_fc1", None)) and _real(getattr(experts, "linear_fc2", None)):
-            add("expert_fc1", m + "experts.linear_fc1")  # TEGroupedMLP
-            add("expert_fc2", m + "experts.linear_fc2")
-            found.act_regions.setdefault("moe_act", []).append(
-                (m + "experts", m + "experts.linear_fc1", m + "experts.linear_fc2"))
-        else:
-            for name in ("expert_fc1", "moe_act", "expert_fc2"):
-                why[name] = (f"the experts are a {_describe(experts)}, one fused op without "
-                             "fc1/fc2 submodules; use SequentialMLP or TEGroupedMLP")
-    for name in NAMES:
-        if name not in found.names and found.num_layers:
-            found.absent[name] = why.get(name, _default_absence(name))
-    return found
-
-
-def _default_absence(name: str) -> str:
-    if name in _MOE_NAMES:
-        return "no MoE layer (num_moe_experts is not set, or moe_layer_freq puts none here)"
-    if name in _DENSE_MLP_NAMES:
-        return "no dense MLP (every MLP is a MoE layer; use expert_fc1, moe_act, expert_fc2)"
-    return "no such submodule in this model's transformer layers"
-
-
-def module_patterns(targets: list[str], all_names: list[str]) -> list[str]:
-    """Short fnmatch patterns that match exactly ``targets`` among ``all_names``.
-
-    Layer and expert indices become ``*`` where that matches nothing else; otherwise the exact
-    names stay. (One pattern per module would cost ``len(targets) × len(all_names)`` matches in
-    `offload.attach`, which is slow for models with thousands of experts.)
-    """
-    wanted = set(targets)
-    groups: dict[str, list[str]] = {}
-    for qn in targets:
-        groups.setdefault(re.sub(r"(?<=\.)\d+(?=\.|$)", "*", exact_pattern(qn)), []).append(qn)
-    out: list[str] = []
-    for pattern, members in groups.items():
-        hits = {qn for qn in all_names if fnmatch.fnmatchcase(qn, pattern)}
-        out.extend([pattern] if hits <= wanted else [exact_pattern(qn) for qn in members])
-    return out
-
-
-# ---------------------------------------------------------------------------- compatibility
-def check_compatible(config: Any, names: Iterable[str], found: Sequence[ChunkModules] | None = None) -> None:
-    """Raise `OffloadError` if ``config`` (a megatron-core ``TransformerConfig``, or Megatron-LM's
-    args) switches on something that cannot work with offloading ``names``, or that makes them
-    do nothing. ``found`` (`find_modules` of the model chunks) tells which norms are modules of
-    their own; without it every norm is taken to be one."""
-    names = list(names)
-    if not names:
-        return
-    if getattr(config, "fine_grained_activation_offloading", False):
-        raise OffloadError(
-            "offload: Megatron's own fine-grained activation offloading "
-            "(--fine-grained-activation-offloading) is on; it reads the same --offload-modules "
-            "and hooks the same saved tensors. Switch it off to use this library's offloading."
-        )
-    if getattr(config, "cpu_offloading", False):
-        raise OffloadError(
-            "offload: Megatron's layer-level CPU offloading (--cpu-offloading) is on; it hooks "
-            "the same saved tensors. Use one of the two."
-        )
-    check_cuda_graphs(config, names)
-    _check_recompute(config, names, found)
-
-
-def _grouped_act(found: ChunkModules) -> bool:
-    """Whether a ``moe_act`` region of ``found`` is a grouped experts module's (``TEGroupedMLP``,
-    whose activation ``recompute_modules=["moe_act"]`` checkpoints), not a SequentialMLP expert's."""
-    sequential = tuple(f"{qn}." for qn in found.sequential_experts)
-    return any(not mlp.startswith(sequential) for mlp, _, _ in found.act_regions.get("moe_act", ()))
-
-
-def _check_recompute(config: Any, names: list[str], found: Sequence[ChunkModules] | None) -> None:
-    """Refuse names that Megatron's selective recompute leaves nothing to offload in: their
-    region runs under ``no_grad`` (or, for ``moe_act``, saves only what the engine keeps)."""
-    if getattr(config, "recompute_granularity", None) != "selective":
-        return
-    modules = getattr(config, "recompute_modules", None)
-    recomputed = {"core_attn"} if modules is None else set(modules)  # megatron's default
-    separate = None if found is None else set().union(*(f.names for f in found))
-    clashes, leaf_note = [], False
-    for name in names:
-        hit = recomputed & set(_RECOMPUTED_BY.get(name, ()))
-        if not hit:
-            continue
-        if name in ("attn_norm", "mlp_norm") and separate is not None and name not in separate:
-            continue  # fused into the next linear layer: megatron recomputes only norm modules
-        if hit == {"moe_act"} and found is not None and not any(_grouped_act(f) for f in found):
-            continue  # SequentialMLP's experts have no activation recompute
-        clashes.append(f"{name} (recompute_modules has {', '.join(sorted(hit))})")
-        leaf_note |= hit == {"moe_act"}
-    if clashes:
-        note = ""
-        if leaf_note:
-            note = (" (moe_act with moe_act: the activation runs in a CheckpointWithoutOutput, which "
-                    "saves the fc1 output as a detached leaf that requires grad; the engine keeps such "
-                    "tensors on the GPU, so the group would offload nothing)")
-        raise OffloadError(
-            "offload: these regions are recomputed in backward (--recompute-granularity selective "
-            f"--recompute-modules), so they save nothing to offload: {'; '.join(clashes)}{note}. "
-            "Recompute wins; drop them from --offload-modules or from --recompute-modules."
-        )
-
-
-def to_megatron_names(names: str | Iterable[str], found: Sequence[ChunkModules] = ()) -> list[str]:
-    """``names`` for Megatron's own offloading (``TransformerConfig.offload_modules`` with
-    ``fine_grained_activation_offloading=True``), which must mean the same modules there.
-
-    Raises `OffloadError` for a name Megatron's offloading does not have (`MEGATRON_OWN_NAMES`),
-    and, given ``found``, for a norm fused into the next linear layer without that layer's name
-    (Megatron would drop the norm silently; this integration refuses it).
-    """
-    names = list(parse_module_list(names))
-    if AUTO in names:
-        raise OffloadError(
-            "offload: --offload-modules=auto is this library's planner; Megatron's own offloading "
-            "(--fine-grained-activation-offloading; --system megatron in examples/megatron_gpt.py) takes "
-            f"module names ({', '.join(sorted(MEGATRON_OWN_NAMES))}). Use --system offload with auto."
-        )
-    check_known(names, NAMES, "--offload-modules")
-    other = [n for n in names if n not in MEGATRON_OWN_NAMES]
-    if other:
-        raise OffloadError(
-            f"offload: Megatron's own offloading (--fine-grained-activation-offloading) has no "
-            f"{', '.join(other)}; the names it shares with this integration are "
-            f"{', '.join(sorted(MEGATRON_OWN_NAMES))}"
-        )
-    for name in names:
-        covering = next((f.covered[name] for f in found if name in f.covered and name not in f.names), None)
-        if covering is not None and covering not in names:
-            reason = next(f.absent[name] for f in found if name in f.absent)
-            raise OffloadError(f"offload: --offload-modules {name}: {reason}; Megatron's own offloading "
-                               f"would drop {name} silently")
-    return names
-
-
-# ------------------------------------------------------------------------------------ flags
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the offload flags to ``parser``; returns it (Megatron's ``extra_args_provider``).
-
-    ``--offload-modules`` takes ``core_attn,expert_fc1`` as well as Megatron's space-separated
-    ``core_attn expert_fc1``. When the parser already has ``--offload-modules`` (Megatron-LM
-    defines it for its own offloading, which ``--fine-grained-activation-offloading`` switches
-    on), that flag is reused: without Megatron's switch, the names go to this library.
-    """
-    group = parser.add_argument_group("offload", "fine-grained activation offloading (offload)")
-    try:
-        group.add_argument(
-            "--offload-modules", nargs="*", default=[], metavar="NAME",
-            help=f"offload the saved tensors of these modules to pinned host memory; "
-                 f"comma- or space-separated; names: {', '.join(NAMES)}; or {AUTO} (the planner "
-                 "chooses under --offload-memory-budget)",
-        )
-    except argparse.ArgumentError:
-        pass  # Megatron-LM's own --offload-modules (dest offload_modules): reuse it
-    group.add_argument(
-        "--offload-memory-budget", default=None, metavar="BUDGET",
-        help=f"with --offload-modules={AUTO}: the peak of forward_backward_func to plan for: 20GiB, -4GiB or "
-             "-30%% (below the peak without a plan), fit or fit:10%% (the GPU less headroom)",
-    )
-    group.add_argument(
-        "--offload-memory-budget-gib", type=float, default=None, metavar="GIB",
-        help=f"with --offload-modules={AUTO}: the same as --offload-memory-budget=<GIB>GiB (a peak in GiB)",
-    )
-    group.add_argument(
-        "--offload-min-tensor-bytes", type=int, default=DEFAULT_MIN_TENSOR_BYTES, metavar="BYTES",
-        help="saved tensors smaller than this stay on the GPU (default: %(default)s)",
-    )
-    group.add_argument(
-        "--offload-max-inflight-groups", type=int, default=1, metavar="N",
-        help="at most N groups' device-to-host copies in flight (default: %(default)s)",
-    )
-    group.add_argument(
-        "--offload-policy", default="all", metavar="POLICY",
-        help="which groups of the names to offload: all (default), warmup_only, "
-             "min_live:N (only while N microbatches are live), layers:0-3,6 (these layers)",
-    )
-    return parser
-
-
-def parse_policy(spec: str | None) -> group_policy.GroupPolicy | None:
-    """Turn ``all``, ``warmup_only``, ``min_live:N`` or ``layers:0-3,6`` into a group policy
-    (``None`` for ``all``); raises ValueError with the accepted forms otherwise."""
-    forms = "all, warmup_only, min_live:N, layers:A-B,C"
-    if spec is None or spec.strip() in ("", "all"):
-        return None
-    kind, _, arg = spec.strip().partition(":")
-    if kind == "warmup_only" and not arg:
-        return group_policy.warmup_only
-    if kind == "min_live" and arg.strip().isdigit() and int(arg) >= 1:
-        return group_policy.min_live(int(arg))
-    if kind == "layers" and arg:
-        layers: set[int] = set()
-        for part in arg.split(","):
-            m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
-            if not m:
-                raise ValueError(f"offload: bad layer range {part!r} in --offload-policy {spec!r}")
-            lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
-            if hi < lo:
-                raise ValueError(f"offload: empty layer range {part!r} in --offload-policy {spec!r}")
-            layers.update(range(lo, hi + 1))
-        return group_policy.by_layer(layers)
-    raise ValueError(f"offload: unknown --offload-policy {spec!r}; accepted: {forms}")
-
-
-@dataclass(frozen=True)
-class Options:
-    """The offload settings that `add_arguments` adds, as `apply` takes them.
-
-    ``modules`` is ``("auto",)`` for the planner, with ``memory_budget`` set."""
-
-    modules: tuple[str, ...]
-    min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES
-    max_inflight_groups: int = 1
-    policy: str = "all"
-    memory_budget: Budget | None = None
-
-    @property
-    def auto(self) -> bool:
-        return self.modules == (AUTO,)
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "Options":
-        """Read the flags; checks the names, the budget (`check_auto_options`) and Megatron's own
-        offloading switch. Raises `OffloadError` (or its subclasses) naming the flag."""
-        if getattr(args, "fine_grained_activation_offloading", False) and getattr(args, "offload_modules", None):
-            raise OffloadError(
-                "offload: --fine-grained-activation-offloading switches on Megatron's own "
-                "offloading of --offload-modules; drop it to use this library's offloading"
-            )
-        modules = parse_module_list(getattr(args, "offload_modules", None) or ())
-        text = getattr(args, "offload_memory_budget", None)
-        gib = getattr(args, "offload_memory_budget_gib", None)
-        if text is not None and gib is not None:
-            raise OffloadValueError(
-                f"offload: --offload-memory-budget={text} and --offload-memory-budget-gib={gib:g} both give the "
-                "budget; give one (--offload-memory-budget-gib X is --offload-memory-budget=XGiB)")
-        budget = None
-        if text is not None:
-            budget = _parse_budget(text, "--offload-memory-budget")
-        elif gib is not None:
-            if not (math.isfinite(gib) and gib > 0):
-                raise OffloadValueError(f"offload: --offload-memory-budget-gib={gib:g} must be a number of GiB > 0")
-            budget = _parse_budget(int(gib * 2**30), "--offload-memory-budget-gib")
-        opts = cls(
-            modules=modules,
-            min_tensor_bytes=getattr(args, "offload_min_tensor_bytes", DEFAULT_MIN_TENSOR_BYTES),
-            max_inflight_groups=getattr(args, "offload_max_inflight_groups", 1),
-            policy=getattr(args, "offload_policy", "all") or "all",
-            memory_budget=budget,
-        )
-        check_auto_options(opts.modules, opts.memory_budget, opts.max_inflight_groups, opts.policy)
-        return opts
-
-
-def _parse_budget(spec: str | int, flag: str) -> Budget:
-    """`Budget.parse` with the flag named in its error (same exception type)."""
-    try:
-        return Budget.parse(spec)
-    except OffloadError as exc:
-        raise type(exc)(f"offload: {flag}: {str(exc).removeprefix('offload: ')}") from None
-
-
-def check_auto_options(modules: Iterable[str], memory_budget: Budget | str | int | None,
-                       max_inflight_groups: int = 1, policy: Any = None) -> Budget | None:
-    """Check ``--offload-modules`` against the budget flags; returns the parsed budget.
-
-    ``auto`` needs a budget and no other name, and leaves the in-flight bound and the policy to
-    the plan; a budget needs ``auto``; other names must be in `NAMES`. Raises
-    `OffloadValueError` (`UnknownModuleError` for a name) that names the flags.
-    """
-    modules = tuple(modules)
-    if AUTO not in modules:
-        check_known(modules, NAMES, "--offload-modules")
-        if memory_budget is not None:
-            raise OffloadValueError(
-                f"offload: a memory budget (--offload-memory-budget, --offload-memory-budget-gib) is for "
-                f"--offload-modules={AUTO} (the planner); with "
-                f"--offload-modules={','.join(modules) or '(none)'} nothing is planned. Drop the budget, or use "
-                f"--offload-modules={AUTO}")
-        return None
-    if modules != (AUTO,):
-        raise OffloadValueError(
-            f"offload: --offload-modules={AUTO} lets the planner choose the names; it takes no others "
-            f"(got {','.join(modules)}). Use --offload-modules={AUTO} alone, or the names alone")
-    if memory_budget is None:
-        raise OffloadValueError(
-            f"offload: --offload-modules={AUTO} needs a memory budget: --offload-memory-budget=20GiB, -4GiB, -30% "
-            "or fit:10%, or --offload-memory-budget-gib=20")
-    budget = _parse_budget(memory_budget, "--offload-memory-budget")
-    if max_inflight_groups != 1 or (policy not in (None, "", "all")):
-        raise OffloadValueError(
-            f"offload: with --offload-modules={AUTO} the plan chooses --offload-max-inflight-groups and offloads "
-            "every group of the names it picks; leave --offload-max-inflight-groups and --offload-policy unset")
-    return budget
 
 
 # ------------------------------------------------------------------------------ attaching

@@ -27,7 +27,9 @@ import offload
 from offload.errors import OffloadError, OffloadValueError, UnknownModuleError
 from offload.planner.budget import Budget
 
-from .megatron import AUTO, NAMES, ChunkModules, module_patterns, unwrap, cuda_graph_mode, find_modules
+from .megatron import unwrap
+from .megatron_graphs import cuda_graph_mode
+from .megatron_names import AUTO, NAMES, ChunkModules, find_modules, module_patterns
 
 __all__ = ["AutoSettings", "Untouched", "agree", "auto_settings", "check_auto", "peek", "plan_mapping", "rank",
            "replay", "tracker_context"]

@@ -213,15 +213,15 @@ def test_transformer_engine_graphs_pass_the_check(mg, config, names, label, insi
 
 def test_the_graph_regions_name_only_known_names_and_cover_them_all(mg):
     """megatron_graphs' table of which names each capture region holds spells the names out (it
-    cannot import the integration's name lists: the integration imports it): every name there
-    is one `NAMES` has, and each of `NAMES` is in some region, so an unknown region ("all")
-    and a renamed name cannot drift apart."""
-    from offload.integrations import megatron_graphs
+    cannot import megatron_names' lists: megatron_names imports it): every name there is one
+    `NAMES` has, and each of `NAMES` is in some region, so an unknown region ("all") and a
+    renamed name cannot drift apart."""
+    from offload.integrations import megatron_graphs, megatron_names
 
     regions = megatron_graphs._GRAPH_REGIONS
     assert {n for names in regions.values() for n in names} == set(mg.NAMES)
-    assert regions["mlp"] == ("mlp_norm",) + mg._DENSE_MLP_NAMES
-    assert regions["moe"] == ("mlp_norm",) + mg._MOE_NAMES
+    assert regions["mlp"] == ("mlp_norm",) + megatron_names._DENSE_MLP_NAMES
+    assert regions["moe"] == ("mlp_norm",) + megatron_names._MOE_NAMES
 
 
 @pytest.mark.parametrize("field, flag", [("overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm"),
@@ -326,7 +326,9 @@ INERT = [case for case in REFUSED if case[2] != ["mlp"]]
 def test_refused_pairs_would_offload_nothing(mg, te, no_fp8, monkeypatch, kind, name, recompute):
     """Why they are refused: with the check bypassed, training stays exact and the name's
     groups move no byte (the region runs under no_grad, or saves only what the engine keeps)."""
-    monkeypatch.setattr(mg, "_check_recompute", lambda *a: None)
+    from offload.integrations import megatron_names
+
+    monkeypatch.setattr(megatron_names, "_check_recompute", lambda *a: None)
     handle = offload_and_compare(mg, _maker(kind, te, **_selective(*recompute)), name)
     stats = handle.last_stats.by_name.get(name)
     assert stats is None or stats.bytes_offloaded == 0

@@ -1,0 +1,180 @@
+"""The ``--offload-*`` flags of the Megatron integration: `add_arguments` (Megatron's
+``extra_args_provider``), their parsed form (`Options`, `parse_policy`) and the checks of
+``--offload-modules=auto`` with its memory budget (`check_auto_options`)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from offload import group_policy
+from offload.config import DEFAULT_MIN_TENSOR_BYTES, check_known, parse_module_list
+from offload.errors import OffloadError, OffloadValueError
+from offload.planner.budget import Budget
+
+from .megatron_names import AUTO, NAMES
+
+__all__ = ["Options", "add_arguments", "check_auto_options", "parse_policy"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the offload flags to ``parser``; returns it (Megatron's ``extra_args_provider``).
+
+    ``--offload-modules`` takes ``core_attn,expert_fc1`` as well as Megatron's space-separated
+    ``core_attn expert_fc1``. When the parser already has ``--offload-modules`` (Megatron-LM
+    defines it for its own offloading, which ``--fine-grained-activation-offloading`` switches
+    on), that flag is reused: without Megatron's switch, the names go to this library.
+    """
+    group = parser.add_argument_group("offload", "fine-grained activation offloading (offload)")
+    try:
+        group.add_argument(
+            "--offload-modules", nargs="*", default=[], metavar="NAME",
+            help=f"offload the saved tensors of these modules to pinned host memory; "
+                 f"comma- or space-separated; names: {', '.join(NAMES)}; or {AUTO} (the planner "
+                 "chooses under --offload-memory-budget)",
+        )
+    except argparse.ArgumentError:
+        pass  # Megatron-LM's own --offload-modules (dest offload_modules): reuse it
+    group.add_argument(
+        "--offload-memory-budget", default=None, metavar="BUDGET",
+        help=f"with --offload-modules={AUTO}: the peak of forward_backward_func to plan for: 20GiB, -4GiB or "
+             "-30%% (below the peak without a plan), fit or fit:10%% (the GPU less headroom)",
+    )
+    group.add_argument(
+        "--offload-memory-budget-gib", type=float, default=None, metavar="GIB",
+        help=f"with --offload-modules={AUTO}: the same as --offload-memory-budget=<GIB>GiB (a peak in GiB)",
+    )
+    group.add_argument(
+        "--offload-min-tensor-bytes", type=int, default=DEFAULT_MIN_TENSOR_BYTES, metavar="BYTES",
+        help="saved tensors smaller than this stay on the GPU (default: %(default)s)",
+    )
+    group.add_argument(
+        "--offload-max-inflight-groups", type=int, default=1, metavar="N",
+        help="at most N groups' device-to-host copies in flight (default: %(default)s)",
+    )
+    group.add_argument(
+        "--offload-policy", default="all", metavar="POLICY",
+        help="which groups of the names to offload: all (default), warmup_only, "
+             "min_live:N (only while N microbatches are live), layers:0-3,6 (these layers)",
+    )
+    return parser
+
+
+def parse_policy(spec: str | None) -> group_policy.GroupPolicy | None:
+    """Turn ``all``, ``warmup_only``, ``min_live:N`` or ``layers:0-3,6`` into a group policy
+    (``None`` for ``all``); raises ValueError with the accepted forms otherwise."""
+    forms = "all, warmup_only, min_live:N, layers:A-B,C"
+    if spec is None or spec.strip() in ("", "all"):
+        return None
+    kind, _, arg = spec.strip().partition(":")
+    if kind == "warmup_only" and not arg:
+        return group_policy.warmup_only
+    if kind == "min_live" and arg.strip().isdigit() and int(arg) >= 1:
+        return group_policy.min_live(int(arg))
+    if kind == "layers" and arg:
+        layers: set[int] = set()
+        for part in arg.split(","):
+            m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+            if not m:
+                raise ValueError(f"offload: bad layer range {part!r} in --offload-policy {spec!r}")
+            lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+            if hi < lo:
+                raise ValueError(f"offload: empty layer range {part!r} in --offload-policy {spec!r}")
+            layers.update(range(lo, hi + 1))
+        return group_policy.by_layer(layers)
+    raise ValueError(f"offload: unknown --offload-policy {spec!r}; accepted: {forms}")
+
+
+@dataclass(frozen=True)
+class Options:
+    """The offload settings that `add_arguments` adds, as `apply` takes them.
+
+    ``modules`` is ``("auto",)`` for the planner, with ``memory_budget`` set."""
+
+    modules: tuple[str, ...]
+    min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES
+    max_inflight_groups: int = 1
+    policy: str = "all"
+    memory_budget: Budget | None = None
+
+    @property
+    def auto(self) -> bool:
+        return self.modules == (AUTO,)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "Options":
+        """Read the flags; checks the names, the budget (`check_auto_options`) and Megatron's own
+        offloading switch. Raises `OffloadError` (or its subclasses) naming the flag."""
+        if getattr(args, "fine_grained_activation_offloading", False) and getattr(args, "offload_modules", None):
+            raise OffloadError(
+                "offload: --fine-grained-activation-offloading switches on Megatron's own "
+                "offloading of --offload-modules; drop it to use this library's offloading"
+            )
+        modules = parse_module_list(getattr(args, "offload_modules", None) or ())
+        text = getattr(args, "offload_memory_budget", None)
+        gib = getattr(args, "offload_memory_budget_gib", None)
+        if text is not None and gib is not None:
+            raise OffloadValueError(
+                f"offload: --offload-memory-budget={text} and --offload-memory-budget-gib={gib:g} both give the "
+                "budget; give one (--offload-memory-budget-gib X is --offload-memory-budget=XGiB)")
+        budget = None
+        if text is not None:
+            budget = _parse_budget(text, "--offload-memory-budget")
+        elif gib is not None:
+            if not (math.isfinite(gib) and gib > 0):
+                raise OffloadValueError(f"offload: --offload-memory-budget-gib={gib:g} must be a number of GiB > 0")
+            budget = _parse_budget(int(gib * 2**30), "--offload-memory-budget-gib")
+        opts = cls(
+            modules=modules,
+            min_tensor_bytes=getattr(args, "offload_min_tensor_bytes", DEFAULT_MIN_TENSOR_BYTES),
+            max_inflight_groups=getattr(args, "offload_max_inflight_groups", 1),
+            policy=getattr(args, "offload_policy", "all") or "all",
+            memory_budget=budget,
+        )
+        check_auto_options(opts.modules, opts.memory_budget, opts.max_inflight_groups, opts.policy)
+        return opts
+
+
+def _parse_budget(spec: str | int, flag: str) -> Budget:
+    """`Budget.parse` with the flag named in its error (same exception type)."""
+    try:
+        return Budget.parse(spec)
+    except OffloadError as exc:
+        raise type(exc)(f"offload: {flag}: {str(exc).removeprefix('offload: ')}") from None
+
+
+def check_auto_options(modules: Iterable[str], memory_budget: Budget | str | int | None,
+                       max_inflight_groups: int = 1, policy: Any = None) -> Budget | None:
+    """Check ``--offload-modules`` against the budget flags; returns the parsed budget.
+
+    ``auto`` needs a budget and no other name, and leaves the in-flight bound and the policy to
+    the plan; a budget needs ``auto``; other names must be in `NAMES`. Raises
+    `OffloadValueError` (`UnknownModuleError` for a name) that names the flags.
+    """
+    modules = tuple(modules)
+    if AUTO not in modules:
+        check_known(modules, NAMES, "--offload-modules")
+        if memory_budget is not None:
+            raise OffloadValueError(
+                f"offload: a memory budget (--offload-memory-budget, --offload-memory-budget-gib) is for "
+                f"--offload-modules={AUTO} (the planner); with "
+                f"--offload-modules={','.join(modules) or '(none)'} nothing is planned. Drop the budget, or use "
+                f"--offload-modules={AUTO}")
+        return None
+    if modules != (AUTO,):
+        raise OffloadValueError(
+            f"offload: --offload-modules={AUTO} lets the planner choose the names; it takes no others "
+            f"(got {','.join(modules)}). Use --offload-modules={AUTO} alone, or the names alone")
+    if memory_budget is None:
+        raise OffloadValueError(
+            f"offload: --offload-modules={AUTO} needs a memory budget: --offload-memory-budget=20GiB, -4GiB, -30% "
+            "or fit:10%, or --offload-memory-budget-gib=20")
+    budget = _parse_budget(memory_budget, "--offload-memory-budget")
+    if max_inflight_groups != 1 or (policy not in (None, "", "all")):
+        raise OffloadValueError(
+            f"offload: with --offload-modules={AUTO} the plan chooses --offload-max-inflight-groups and offloads "
+            "every group of the names it picks; leave --offload-max-inflight-groups and --offload-policy unset")
+    return budget
