@@ -8,7 +8,8 @@ then all backwards), through ``offload.graphs.graph`` in 1F1B order, and through
 Engine's ``make_graphed_callables`` where TE is installed; partial capture (graphed attention,
 eager MLP) and a capture broken around an eager operation; what the pinned buffers hold after
 a replay; hook calls during replays; the graph pool's growth with depth; 1000 replays; slowed
-copy streams; and the errors for what cannot work.
+copy streams; a dead graph that the collector would free inside a capture; and the errors for
+what cannot work.
 """
 
 from __future__ import annotations
