@@ -11,8 +11,10 @@
 #                                        # Transformer Engine from tools/gpu_te.sh (install it first)
 #
 # headtohead merges its records into the carried docs/results/megatron/headtohead.json, rewrites
-# the table in the carried docs/megatron.md and copies both, with the per-run JSON files and
-# logs (headtohead_runs/), to $OUT/megatron/: copy them back into the tree between calls (each
+# the table in the carried docs/megatron.md and copies both to $OUT/megatron/, with the per-run
+# JSON files and logs in one archive per invocation, headtohead_runs_<time>.tgz (a device call
+# returns at most 8 files): copy them back into the tree between calls, the JSON files with
+# `tar xzf headtohead_runs_<time>.tgz -C docs/results/megatron --wildcards '*.json'` (each
 # device call is limited to 10 minutes: run a few jobs per call, e.g. --workloads dense_16k
 # --systems offload --graphs none).
 #
@@ -89,6 +91,10 @@ if [ "$MODE" = headtohead ]; then
     $PY benchmarks/megatron_headtohead.py --runs-dir "$M/headtohead_runs" --reuse "$@"
     rc=$?
     cp docs/results/megatron/headtohead.json docs/results/megatron/headtohead.md docs/megatron.md "$M/" 2>/dev/null
+    if [ -d "$M/headtohead_runs" ]; then  # one file for all runs: a device call returns at most 8 files
+        archive="$M/headtohead_runs_$(date +%Y%m%d_%H%M%S).tgz"
+        tar czf "$archive" -C "$M" headtohead_runs && rm -rf "$M/headtohead_runs" && echo "runs: $archive"
+    fi
     echo "headtohead rc=$rc; results under $M"
     exit $rc
 fi
