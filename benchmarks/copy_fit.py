@@ -62,17 +62,21 @@ def measure(hidden: int, seq: int, names: list[str], steps: int, warmup: int) ->
     out: dict[str, float] = {"bytes": float(nbytes)}
     for phase, copy in (("fwd", d2h), ("bwd", h2d)):
         rounds: dict[str, list[float]] = {k: [] for k in ("compute", "copy", "compute_both", "copy_both")}
+        def compute() -> None:  # the layer's forward, or the backward of the forward just run
+            if phase == "fwd":
+                model(x)
+            else:
+                y.backward(g)
+
         for step in range(warmup + steps):
             y = model(x)
             torch.cuda.synchronize()
-            compute = (lambda: model(x)) if phase == "fwd" else (lambda: y.backward(g))
             alone_k = _timed(main, compute)
             torch.cuda.synchronize()
             alone_c = _timed(side, copy)
             torch.cuda.synchronize()
             y = model(x)
             torch.cuda.synchronize()
-            compute = (lambda: model(x)) if phase == "fwd" else (lambda: y.backward(g))
             both_c = _timed(side, copy)
             both_k = _timed(main, compute)
             torch.cuda.synchronize()

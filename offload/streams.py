@@ -104,12 +104,13 @@ def no_collection_during_capture(collect_first: bool = True) -> Iterator[None]:
     block, after one collection first (``collect_first``).
 
     A CUDA graph destroyed while another graph is being captured invalidates that capture
-    (``cudaErrorStreamCaptureInvalidated``; a captured graph and its output, collected inside
-    a capture of torch 2.11, do it), and graphs often die in reference cycles (``torch.cuda.make_graphed_callables`` builds its
-    autograd functions around them), that is whenever the collector happens to run. Since
-    ``torch.cuda.graph`` no longer collects before it captures (PyTorch's
-    ``torch.compiler.config.force_cudagraph_gc``, default off), a dead graph from an earlier
-    capture could break a later one at a point that depends on allocation counts."""
+    (``cudaErrorStreamCaptureInvalidated``: a captured graph and its output, collected inside
+    a capture of torch 2.11, do it), and graphs often die in reference cycles
+    (``torch.cuda.make_graphed_callables`` builds its autograd functions around them), that
+    is whenever the collector happens to run. Since ``torch.cuda.graph`` no longer collects
+    before it captures (PyTorch's ``torch.compiler.config.force_cudagraph_gc``, default off),
+    a dead graph from an earlier capture could break a later one at a point that depends on
+    allocation counts."""
     if collect_first:
         gc.collect()
     enabled = gc.isenabled()
