@@ -29,6 +29,11 @@ H100, Transformer Engine layer spec, bf16):
   graphed by Transformer Engine, MoE eager (``transformer_engine:attn``).
 * ``dense_16k``: a dense GPT at sequence 16384 offloading ``qkv_linear,core_attn,attn_proj``; with
   CUDA graphs: attention only, and whole layers.
+* ``dense_16k_mlp_recompute``: the same dense GPT and names with the MLP recomputed in both runs
+  (``--recompute-granularity selective --recompute-modules mlp``), as the article's Qwen3 run
+  recomputed its MoE: the names' share of what a layer keeps bounds how much of the peak
+  offloading them can remove (without the recompute they hold about a tenth of a layer's bytes,
+  the SwiGLU MLP most of the rest, so they cannot reach 10% of the peak at any length).
 * ``moe_act_vs_full_recompute``: the MoE with ``moe_act`` offloaded and the rest recomputed
   (``--recompute-modules core_attn,layernorm,mla_up_proj``); its baseline is full recompute
   (``--recompute-granularity full``, uniform, one layer per unit) without offloading, and its
@@ -79,6 +84,8 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
              graphs=(("transformer_engine", "attn"),)),
     Workload("dense_16k", ("--model", "dense_16k"), "qkv_linear,core_attn,attn_proj",
              graphs=(("transformer_engine", "attn"), ("transformer_engine", ""))),
+    Workload("dense_16k_mlp_recompute", ("--model", "dense_16k"), "qkv_linear,core_attn,attn_proj",
+             offload_args=("--recompute-granularity", "selective", "--recompute-modules", "mlp")),
     Workload("moe_act_vs_full_recompute", ("--model", "dsv3_proxy"), "moe_act",
              offload_args=("--recompute-modules", "core_attn,layernorm,mla_up_proj"),
              baseline_args=("--recompute-granularity", "full", "--recompute-method", "uniform",

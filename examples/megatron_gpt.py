@@ -22,6 +22,8 @@ instead (``TransformerConfig.fine_grained_activation_offloading`` and ``offload_
 names mapped by `to_megatron_names`; it needs Transformer Engine >= 2.14 for CUDA graphs and the
 TE spec, and ``NVTE_CPU_OFFLOAD_V1=1``, set here before TE is imported, as Megatron-LM asks).
 ``--fp8 delayed|current`` trains under TE's delayed or current (``tensorwise``) scaling recipe;
+``--cross-entropy-loss-fusion`` computes the loss with Megatron's fused cross entropy (its
+``native`` implementation), as Megatron-LM's flag of that name does;
 ``--recompute-granularity``/``--recompute-modules`` switch on Megatron's recompute;
 ``--cuda-graph-impl``/``--cuda-graph-modules`` Megatron's CUDA graphs (``transformer_engine``:
 both systems run with them, this library capturing the names inside the graphs through
@@ -145,6 +147,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fp32", action="store_true", help="fp32 instead of bf16 (always on the CPU)")
     p.add_argument("--fp8", choices=sorted(FP8_RECIPES), default=None,
                    help="FP8 with Transformer Engine's delayed or current scaling (hybrid E4M3/E5M2)")
+    p.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="Megatron's fused cross entropy (native) instead of the unfused fp32 one")
     p.add_argument("--system", choices=["offload", "megatron"], default="offload",
                    help="whose offloading --offload-modules switches on: this library's, or Megatron's own "
                         "--fine-grained-activation-offloading (needs Transformer Engine)")
@@ -289,6 +293,8 @@ def config_kwargs(args: argparse.Namespace) -> dict:
                   moe_grouped_gemm=variant.pop("moe_grouped_gemm", False), **variant)
     if args.fp8:
         kw.update(fp8="hybrid", fp8_recipe=FP8_RECIPES[args.fp8])
+    if args.cross_entropy_loss_fusion:
+        kw.update(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native")
     if args.recompute_granularity:
         kw["recompute_granularity"] = args.recompute_granularity
         if args.recompute_modules is not None:
@@ -516,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "model": args.model, "moe_variant": args.moe_variant if args.model in MOE_MODELS else None,
         "transformer_impl": args.transformer_impl, "system": args.system, "fp8": args.fp8,
+        "cross_entropy_loss_fusion": args.cross_entropy_loss_fusion,
         "cuda_graph": ranks[0].get("cuda_graph"),
         "recompute": {"granularity": args.recompute_granularity, "modules": args.recompute_modules},
         "sizes": {k: getattr(args, k) for k in ("layers", "hidden", "heads", "query_groups", "ffn", "seq",

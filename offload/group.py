@@ -101,6 +101,11 @@ class TensorRecord:
         self.unpacked = 0
         self.modified = False
 
+    def extend(self, numel: int) -> None:
+        """Take the ``numel`` elements right after this span into it (only while its group is open)."""
+        self.numel += numel
+        self.nbytes = self.numel * self.itemsize
+
     @property
     def needs_reload(self) -> bool:
         """Off the GPU, on the host, and still wanted by a live handle."""

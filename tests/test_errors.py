@@ -236,6 +236,7 @@ CUDA_ONLY_SCRIPTS = {
     "sync_latency": ("benchmarks/sync_latency.py", []),
     "offload.tools.bandwidth": ("offload/tools/bandwidth.py", []),
     "offload.tools.memory": ("offload/tools/memory.py", ["--modules", "core_attn", "--device", "cuda"]),
+    "profile_step": ("tools/profile_step.py", ["--out", "out", "--", "examples/megatron_gpt.py"]),
 }
 
 

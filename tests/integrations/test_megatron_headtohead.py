@@ -57,10 +57,15 @@ def test_jobs_cover_each_workload_and_system_with_megatrons_graph_modes(h2h):
                     "dense_16k-offload-transformer_engine-layer",
                     "dense_16k-megatron-none", "dense_16k-megatron-transformer_engine-attn",
                     "dense_16k-megatron-transformer_engine-layer",
+                    "dense_16k_mlp_recompute-offload-none", "dense_16k_mlp_recompute-megatron-none",
                     "moe_act_vs_full_recompute-offload-none", "moe_act_vs_full_recompute-megatron-none"]
     labels = [h2h.graph_label(j.graph) for j in h2h.build_jobs([h2h.WORKLOADS["dense_16k"]], ["offload"])]
     assert labels == ["none", "transformer_engine:attn", "transformer_engine:layer"]
-    assert len(h2h.build_jobs(list(h2h.WORKLOADS.values()), ["megatron"], graphs="none")) == 3
+    assert len(h2h.build_jobs(list(h2h.WORKLOADS.values()), ["megatron"], graphs="none")) == 4
+    recompute = h2h.Job(h2h.WORKLOADS["dense_16k_mlp_recompute"], "offload")
+    mlp = ["--recompute-granularity", "selective", "--recompute-modules", "mlp"]
+    assert all(" ".join(mlp) in " ".join(recompute.args(run)) for run in recompute.runs)  # both runs recompute
+    assert "--offload-modules=qkv_linear,core_attn,attn_proj" in recompute.args("offload")
     only = h2h.build_jobs(list(h2h.WORKLOADS.values()), ["offload", "megatron"], graphs="only")
     assert [j.key for j in only] == [k for k in keys if not k.endswith("-none")]
 
@@ -212,6 +217,10 @@ def test_example_config_for_megatrons_own_offloading_fp8_recompute_and_graphs(ex
     assert kw["cuda_graph_impl"] == "transformer_engine"
     assert kw.get("cuda_graph_modules", kw.get("cuda_graph_scope")) == ["attn", "moe_router"]
     assert kw["multi_latent_attention"] and kw["moe_grouped_gemm"] and kw["gated_linear_unit"]
+    assert "cross_entropy_loss_fusion" not in kw
+    args.cross_entropy_loss_fusion = True
+    kw = example.config_kwargs(args)
+    assert (kw["cross_entropy_loss_fusion"], kw["cross_entropy_fusion_impl"]) == (True, "native")
     args.offload_modules = ["fc1"]
     with pytest.raises(OffloadError, match="Megatron's own offloading .* has no fc1"):
         example.config_kwargs(args)

@@ -1,0 +1,69 @@
+"""tools/profile_step.py: its summary of a profiler trace, on a trace made up here, and its
+argument checks (the profiling itself needs CUDA: tests/test_errors.py checks that it says so)."""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tool():
+    return runpy.run_path(str(ROOT / "tools/profile_step.py"))
+
+
+def _kernel(stream, ts, dur, name="gemm"):
+    return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+
+def _copy(stream, ts, dur, correlation, name="Memcpy DtoH (Device -> Pinned)"):
+    return {"cat": "gpu_memcpy", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream, "correlation": correlation}}
+
+
+def _call(name, ts, dur, correlation=None):
+    return {"cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur, "args": {"correlation": correlation}}
+
+
+def test_summary_of_a_made_up_trace(tool):
+    """Compute stream 7 runs two kernels with a 100 ms gap between them and a model's own D2H
+    copy issued at 150 ms that starts at 400 ms; side stream 13 copies out from 350 to 420 ms, so
+    that copy waited 250 ms to start, 50 of them while the side stream's copy ran."""
+    ms = 1000.0
+    events = [
+        _kernel(7, 0, 100 * ms), _kernel(7, 200 * ms, 100 * ms), _copy(7, 400 * ms, 10 * ms, correlation=1),
+        _copy(13, 350 * ms, 70 * ms, correlation=2),
+        _call("cudaLaunchKernel", 110 * ms, 20 * ms),  # 20 ms inside the gap
+        _call("cudaMemcpyAsync", 150 * ms, 260 * ms, correlation=1),  # 50 ms inside the gap
+        _call("cudaMemcpyAsync", 340 * ms, 1 * ms, correlation=2),
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5},  # not CUDA activity: ignored
+    ]
+    lines = tool["summarize"](events)
+    assert lines[0] == "window 420.0 ms"
+    assert lines[1] == ("stream 7 (compute): n=3 busy 210.0 ms; kernel 200.0 ms; "
+                        "Memcpy DtoH (Device -> Pinned) 10.0 ms")
+    assert lines[2] == "stream 13: n=1 busy 70.0 ms; Memcpy DtoH (Device -> Pinned) 70.0 ms"
+    assert lines[3] == "compute-stream gaps > 50 us: 2, total 200.0 ms"  # 100-200 and 300-400 ms
+    assert lines[4] == "host runtime calls overlapping those gaps (ms): cudaMemcpyAsync 151.0; cudaLaunchKernel 20.0"
+    assert lines[5] == "host runtime totals (ms, calls): cudaMemcpyAsync 261.0 (2); cudaLaunchKernel 20.0 (1)"
+    assert lines[6] == ("compute-stream D2H copies: 1, issue to start 250.0 ms in all, "
+                        "of which a side stream's D2H copy ran 50.0 ms")
+
+
+def test_summary_without_cuda_activity_says_so(tool):
+    assert tool["summarize"]([{"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5}]) == [
+        "no CUDA activity in the profiled steps"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--out", "o"], "no script: put it and its arguments after --"),
+    (["--out", "o", "--first", "3", "--last", "3", "--", "train.py"], "need 1 <= --first < --last (got 3 and 3)"),
+    (["--out", "o", "--first", "0", "--", "train.py"], "need 1 <= --first < --last (got 0 and 7)"),
+])
+def test_bad_arguments_are_refused_before_anything_runs(tool, argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        tool["main"](argv)
+    assert info.value.code == 2 and message in capsys.readouterr().err

@@ -1,0 +1,209 @@
+"""Where a training script's steps spend their time, on the GPU and on the host: the steps between
+two optimizer steps profiled and summarized (a diagnostic for host-bound models, such as an MoE
+whose router syncs with the host every layer).
+
+    python tools/profile_step.py --first 5 --last 7 --out /tmp/dsv3_off -- examples/megatron_gpt.py \\
+        --model dsv3_proxy --steps 9 --offload-modules=attn_norm,mlp_norm,expert_fc1,moe_act
+    python tools/profile_step.py --python --first 5 --last 6 --out /tmp/dsv3_off -- examples/megatron_gpt.py ...
+
+SCRIPT runs in this process with its arguments. A hook after every optimizer step (all optimizers
+counted together) starts profiling after step ``--first`` and stops after step ``--last``.
+
+* Default: ``torch.profiler`` with CPU and CUDA activity. ``OUT.txt`` (also printed): the window,
+  each CUDA stream's busy time by kind (kernels, each copy direction), the compute stream's idle
+  gaps over 50 us and which host runtime calls overlapped them, the host's runtime-call totals,
+  and how long the model's own device-to-host copies on the compute stream waited to start while
+  a side stream's device-to-host copy ran (a copy engine serves its queue in order: Note [7] of
+  `offload.copy_queue`). The trace is ``OUT.json.gz`` (Perfetto, chrome://tracing).
+* ``--python``: cProfile of the same steps instead, ``OUT.cprof.txt`` (also printed): the host's
+  functions by own time, then this library's by cumulative time. cProfile slows every Python
+  call, so compare two runs under it, not a run under it with one without.
+
+The compute stream is the one with the most kernel time. The profiler's own overhead lengthens
+the window on the host side, alike with and without offloading: compare two runs of this tool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import collections
+import cProfile
+import gzip
+import io
+import json
+import pstats
+import runpy
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+GAP_US = 50
+
+
+def _union_us(spans: Iterable[tuple[float, float]]) -> float:
+    total, current = 0.0, None
+    for a, b in sorted(spans):
+        if current is None or a > current[1]:
+            if current is not None:
+                total += current[1] - current[0]
+            current = [a, b]
+        else:
+            current[1] = max(current[1], b)
+    return total + (current[1] - current[0] if current is not None else 0.0)
+
+
+def _ms(us: float) -> str:
+    return f"{us / 1e3:.1f}"
+
+
+def summarize(events: list[dict[str, Any]]) -> list[str]:
+    """The summary lines for a profiler trace's ``traceEvents`` (times in microseconds)."""
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    runtime = sorted((e for e in events if e.get("cat") == "cuda_runtime" and "dur" in e), key=lambda e: e["ts"])
+    if not gpu:
+        return ["no CUDA activity in the profiled steps"]
+    by_stream: dict[Any, list[dict]] = collections.defaultdict(list)
+    for e in gpu:
+        by_stream[e["args"].get("stream")].append(e)
+    start = min(e["ts"] for e in gpu)
+    end = max(e["ts"] + e["dur"] for e in gpu)
+    compute = max(by_stream, key=lambda s: sum(e["dur"] for e in by_stream[s] if e["cat"] == "kernel"))
+    lines = [f"window {_ms(end - start)} ms"]
+    for stream, evs in sorted(by_stream.items(), key=lambda kv: -len(kv[1])):
+        kinds: collections.Counter = collections.Counter()
+        for e in evs:
+            kinds["kernel" if e["cat"] == "kernel" else e["name"]] += e["dur"]
+        busy = _union_us((e["ts"], e["ts"] + e["dur"]) for e in evs)
+        lines.append(f"stream {stream}{' (compute)' if stream == compute else ''}: n={len(evs)} busy {_ms(busy)} ms; "
+                     + "; ".join(f"{k} {_ms(v)} ms" for k, v in kinds.most_common(6)))
+    ordered = sorted(by_stream[compute], key=lambda e: e["ts"])
+    gaps, reach = [], ordered[0]["ts"] + ordered[0]["dur"]
+    for e in ordered[1:]:
+        if e["ts"] - reach > GAP_US:
+            gaps.append((reach, e["ts"]))
+        reach = max(reach, e["ts"] + e["dur"])
+    lines.append(f"compute-stream gaps > {GAP_US} us: {len(gaps)}, total {_ms(sum(b - a for a, b in gaps))} ms")
+    starts = [e["ts"] for e in runtime]
+    during: collections.Counter = collections.Counter()
+    for a, b in gaps:
+        lo = max(0, bisect.bisect_right(starts, a) - 3)  # a call that began before the gap may reach into it
+        for e in runtime[lo:bisect.bisect_left(starts, b)]:
+            overlap = min(b, e["ts"] + e["dur"]) - max(a, e["ts"])
+            if overlap > 0:
+                during[e["name"]] += overlap
+    lines.append("host runtime calls overlapping those gaps (ms): "
+                 + "; ".join(f"{k} {_ms(v)}" for k, v in during.most_common(8)))
+    total: collections.Counter = collections.Counter()
+    count: collections.Counter = collections.Counter()
+    for e in runtime:
+        total[e["name"]] += e["dur"]
+        count[e["name"]] += 1
+    lines.append("host runtime totals (ms, calls): "
+                 + "; ".join(f"{k} {_ms(v)} ({count[k]})" for k, v in total.most_common(10)))
+    issued = {e["args"].get("correlation"): e for e in runtime}
+    side_d2h = [(e["ts"], e["ts"] + e["dur"]) for s, evs in by_stream.items() if s != compute for e in evs
+                if e["cat"] == "gpu_memcpy" and "DtoH" in e["name"]]
+    n = waited = behind = 0
+    for e in by_stream[compute]:
+        call = issued.get(e["args"].get("correlation"))
+        if e["cat"] != "gpu_memcpy" or "DtoH" not in e["name"] or call is None:
+            continue
+        n += 1
+        waited += max(0.0, e["ts"] - call["ts"])
+        behind += sum(max(0.0, min(e["ts"], b) - max(call["ts"], a)) for a, b in side_d2h)
+    lines.append(f"compute-stream D2H copies: {n}, issue to start {_ms(waited)} ms in all, "
+                 f"of which a side stream's D2H copy ran {_ms(behind)} ms")
+    return lines
+
+
+def python_table(profile: cProfile.Profile) -> str:
+    """cProfile's tables: every function by own time, this library's by cumulative time."""
+    out = io.StringIO()
+    stats = pstats.Stats(profile, stream=out)
+    stats.sort_stats("tottime").print_stats(40)
+    out.write("\n==== offload/ by cumulative time\n")
+    stats.sort_stats("cumulative").print_stats("offload/", 40)
+    return out.getvalue()
+
+
+class StepWindow:
+    """Starts profiling after optimizer step ``first`` and stops after step ``last``."""
+
+    def __init__(self, first: int, last: int, out: Path, python: bool) -> None:
+        self.first, self.last, self.out, self.python = first, last, out, python
+        self.steps = 0
+        self.profiler: Any = None
+        self.done = False
+
+    def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.steps += 1
+        if self.steps == self.first:
+            torch.cuda.synchronize()
+            if self.python:
+                self.profiler = cProfile.Profile()
+                self.profiler.enable()
+            else:
+                activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                self.profiler = torch.profiler.profile(activities=activities)
+                self.profiler.__enter__()
+        elif self.steps == self.last and self.profiler is not None:
+            torch.cuda.synchronize()
+            if self.python:
+                self.profiler.disable()
+                self._write(self.out.with_name(self.out.name + ".cprof.txt"), python_table(self.profiler))
+            else:
+                self.profiler.__exit__(None, None, None)
+                trace = self.out.with_name(self.out.name + ".json")
+                self.profiler.export_chrome_trace(str(trace))
+                events = json.loads(trace.read_text())["traceEvents"]
+                with trace.open("rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+                trace.unlink()
+                self._write(self.out.with_name(self.out.name + ".txt"), "\n".join(summarize(events)) + "\n")
+            self.done = True
+
+    @staticmethod
+    def _write(path: Path, text: str) -> None:
+        path.write_text(text)
+        print(f"profile_step: {path}\n{text}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], usage="%(prog)s [options] -- SCRIPT [ARGS]")
+    p.add_argument("--first", type=int, default=5, help="start after this optimizer step (1 = the first)")
+    p.add_argument("--last", type=int, default=7, help="stop after this optimizer step")
+    p.add_argument("--out", type=Path, required=True, help="path prefix of what is written")
+    p.add_argument("--python", action="store_true", help="cProfile of the host's Python instead")
+    args = p.parse_args(argv[:split])
+    script = argv[split + 1:]
+    if not script:
+        p.error("no script: put it and its arguments after --")
+    if not 1 <= args.first < args.last:
+        p.error(f"need 1 <= --first < --last (got {args.first} and {args.last})")
+    if not torch.cuda.is_available():
+        p.exit(2, "profile_step.py: needs CUDA: it profiles the steps' CUDA streams\n")
+    window = StepWindow(args.first, args.last, args.out, args.python)
+    hook = torch.optim.optimizer.register_optimizer_step_post_hook(window)
+    sys.argv = script
+    status: Any = 0
+    try:
+        runpy.run_path(script[0], run_name="__main__")
+    except SystemExit as exc:
+        status = exc.code
+    finally:
+        hook.remove()
+    if not window.done:
+        print(f"profile_step.py: the script made {window.steps} optimizer step(s), fewer than --last "
+              f"{args.last}: nothing profiled", file=sys.stderr)
+        return 1
+    return 0 if status in (0, None) else (status if isinstance(status, int) else 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
