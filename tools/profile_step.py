@@ -188,9 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"need 1 <= --first < --last (got {args.first} and {args.last})")
     if not torch.cuda.is_available():
         p.exit(2, "profile_step.py: needs CUDA: it profiles the steps' CUDA streams\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     window = StepWindow(args.first, args.last, args.out, args.python)
     hook = torch.optim.optimizer.register_optimizer_step_post_hook(window)
     sys.argv = script
+    sys.path.insert(0, str(Path(script[0]).resolve().parent))  # as `python SCRIPT` does
     status: Any = 0
     try:
         runpy.run_path(script[0], run_name="__main__")
