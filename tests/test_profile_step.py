@@ -17,15 +17,16 @@ def tool():
 
 
 def _kernel(stream, ts, dur, name="gemm"):
-    return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
 
 
 def _copy(stream, ts, dur, correlation, name="Memcpy DtoH (Device -> Pinned)"):
-    return {"cat": "gpu_memcpy", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream, "correlation": correlation}}
+    return {"ph": "X", "cat": "gpu_memcpy", "name": name, "ts": ts, "dur": dur,
+            "args": {"stream": stream, "correlation": correlation}}
 
 
-def _call(name, ts, dur, correlation=None):
-    return {"cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur, "args": {"correlation": correlation}}
+def _call(name, ts, dur, correlation):
+    return {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur, "args": {"correlation": correlation}}
 
 
 def test_summary_of_a_made_up_trace(tool):
@@ -36,7 +37,7 @@ def test_summary_of_a_made_up_trace(tool):
     events = [
         _kernel(7, 0, 100 * ms), _kernel(7, 200 * ms, 100 * ms), _copy(7, 400 * ms, 10 * ms, correlation=1),
         _copy(13, 350 * ms, 70 * ms, correlation=2),
-        _call("cudaLaunchKernel", 110 * ms, 20 * ms),  # 20 ms inside the gap
+        _call("cudaLaunchKernel", 110 * ms, 20 * ms, correlation=3),  # 20 ms inside the gap
         _call("cudaMemcpyAsync", 150 * ms, 260 * ms, correlation=1),  # 50 ms inside the gap
         _call("cudaMemcpyAsync", 340 * ms, 1 * ms, correlation=2),
         {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5},  # not CUDA activity: ignored
@@ -54,7 +55,7 @@ def test_summary_of_a_made_up_trace(tool):
 
 
 def test_summary_without_cuda_activity_says_so(tool):
-    assert tool["summarize"]([{"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5}]) == [
+    assert tool["summarize"]([{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5}]) == [
         "no CUDA activity in the profiled steps"]
 
 

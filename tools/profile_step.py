@@ -26,7 +26,6 @@ the window on the host side, alike with and without offloading: compare two runs
 from __future__ import annotations
 
 import argparse
-import bisect
 import collections
 import cProfile
 import gzip
@@ -37,23 +36,15 @@ import runpy
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
+from offload.tools.intervals import Cover, length
+from offload.tools.overlap import compute_stream
+from offload.tools.trace_events import GpuOp, timeline_from_torch_events
+
 GAP_US = 50
-
-
-def _union_us(spans: Iterable[tuple[float, float]]) -> float:
-    total, current = 0.0, None
-    for a, b in sorted(spans):
-        if current is None or a > current[1]:
-            if current is not None:
-                total += current[1] - current[0]
-            current = [a, b]
-        else:
-            current[1] = max(current[1], b)
-    return total + (current[1] - current[0] if current is not None else 0.0)
 
 
 def _ms(us: float) -> str:
@@ -62,39 +53,37 @@ def _ms(us: float) -> str:
 
 def summarize(events: list[dict[str, Any]]) -> list[str]:
     """The summary lines for a profiler trace's ``traceEvents`` (times in microseconds)."""
-    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
-    runtime = sorted((e for e in events if e.get("cat") == "cuda_runtime" and "dur" in e), key=lambda e: e["ts"])
-    if not gpu:
+    timeline = timeline_from_torch_events(events)
+    if not timeline.ops:
         return ["no CUDA activity in the profiled steps"]
-    by_stream: dict[Any, list[dict]] = collections.defaultdict(list)
-    for e in gpu:
-        by_stream[e["args"].get("stream")].append(e)
-    start = min(e["ts"] for e in gpu)
-    end = max(e["ts"] + e["dur"] for e in gpu)
-    compute = max(by_stream, key=lambda s: sum(e["dur"] for e in by_stream[s] if e["cat"] == "kernel"))
-    lines = [f"window {_ms(end - start)} ms"]
-    for stream, evs in sorted(by_stream.items(), key=lambda kv: -len(kv[1])):
+    compute = compute_stream(timeline)
+    if compute is None:  # copies only: the stream of the first
+        compute = timeline.ops[0].stream
+    runtime = [e for e in events if e.get("cat") == "cuda_runtime" and "dur" in e]
+    by_stream: dict[int, list[GpuOp]] = collections.defaultdict(list)
+    for op in timeline.ops:
+        by_stream[op.stream].append(op)
+    lines = [f"window {_ms(max(o.end for o in timeline.ops) - timeline.ops[0].start)} ms"]
+    for stream, ops in sorted(by_stream.items(), key=lambda kv: -len(kv[1])):
         kinds: collections.Counter = collections.Counter()
-        for e in evs:
-            kinds["kernel" if e["cat"] == "kernel" else e["name"]] += e["dur"]
-        busy = _union_us((e["ts"], e["ts"] + e["dur"]) for e in evs)
-        lines.append(f"stream {stream}{' (compute)' if stream == compute else ''}: n={len(evs)} busy {_ms(busy)} ms; "
+        for op in ops:
+            kinds["kernel" if op.kind == "kernel" else op.name] += op.dur
+        lines.append(f"stream {stream}{' (compute)' if stream == compute else ''}: n={len(ops)} "
+                     f"busy {_ms(length((o.start, o.end) for o in ops))} ms; "
                      + "; ".join(f"{k} {_ms(v)} ms" for k, v in kinds.most_common(6)))
-    ordered = sorted(by_stream[compute], key=lambda e: e["ts"])
-    gaps, reach = [], ordered[0]["ts"] + ordered[0]["dur"]
-    for e in ordered[1:]:
-        if e["ts"] - reach > GAP_US:
-            gaps.append((reach, e["ts"]))
-        reach = max(reach, e["ts"] + e["dur"])
+    ordered = by_stream[compute]  # the timeline's operations are sorted by start
+    gaps, reach = [], ordered[0].end
+    for op in ordered[1:]:
+        if op.start - reach > GAP_US:
+            gaps.append((reach, op.start))
+        reach = max(reach, op.end)
     lines.append(f"compute-stream gaps > {GAP_US} us: {len(gaps)}, total {_ms(sum(b - a for a, b in gaps))} ms")
-    starts = [e["ts"] for e in runtime]
+    idle = Cover(gaps)
     during: collections.Counter = collections.Counter()
-    for a, b in gaps:
-        lo = max(0, bisect.bisect_right(starts, a) - 3)  # a call that began before the gap may reach into it
-        for e in runtime[lo:bisect.bisect_left(starts, b)]:
-            overlap = min(b, e["ts"] + e["dur"]) - max(a, e["ts"])
-            if overlap > 0:
-                during[e["name"]] += overlap
+    for e in runtime:
+        overlap = idle.covered(e["ts"], e["ts"] + e["dur"])
+        if overlap > 0:
+            during[e["name"]] += overlap
     lines.append("host runtime calls overlapping those gaps (ms): "
                  + "; ".join(f"{k} {_ms(v)}" for k, v in during.most_common(8)))
     total: collections.Counter = collections.Counter()
@@ -104,17 +93,16 @@ def summarize(events: list[dict[str, Any]]) -> list[str]:
         count[e["name"]] += 1
     lines.append("host runtime totals (ms, calls): "
                  + "; ".join(f"{k} {_ms(v)} ({count[k]})" for k, v in total.most_common(10)))
-    issued = {e["args"].get("correlation"): e for e in runtime}
-    side_d2h = [(e["ts"], e["ts"] + e["dur"]) for s, evs in by_stream.items() if s != compute for e in evs
-                if e["cat"] == "gpu_memcpy" and "DtoH" in e["name"]]
+    side_d2h = Cover((o.start, o.end) for s, ops in by_stream.items() if s != compute for o in ops if o.copy == "d2h")
     n = waited = behind = 0
-    for e in by_stream[compute]:
-        call = issued.get(e["args"].get("correlation"))
-        if e["cat"] != "gpu_memcpy" or "DtoH" not in e["name"] or call is None:
+    for op in ordered:
+        launch = timeline.launches.get(op.correlation)
+        if op.copy != "d2h" or launch is None:
             continue
+        issued = launch[1]
         n += 1
-        waited += max(0.0, e["ts"] - call["ts"])
-        behind += sum(max(0.0, min(e["ts"], b) - max(call["ts"], a)) for a, b in side_d2h)
+        waited += max(0.0, op.start - issued)
+        behind += side_d2h.covered(issued, op.start)
     lines.append(f"compute-stream D2H copies: {n}, issue to start {_ms(waited)} ms in all, "
                  f"of which a side stream's D2H copy ran {_ms(behind)} ms")
     return lines

@@ -105,7 +105,12 @@ def load_torch_trace(path: str | Path) -> Timeline:
     events = data["traceEvents"] if isinstance(data, dict) else data
     if not isinstance(events, list):
         raise ValueError(f"{path}: no traceEvents list")
-    tl = Timeline(source=f"torch.profiler trace {path.name}")
+    return timeline_from_torch_events(events, f"torch.profiler trace {path.name}")
+
+
+def timeline_from_torch_events(events: list[dict[str, Any]], source: str = "") -> Timeline:
+    """The `Timeline` of a ``torch.profiler`` trace's ``traceEvents`` already in memory."""
+    tl = Timeline(source=source)
     for e in events:
         cat, args = e.get("cat"), e.get("args") or {}
         if e.get("ph") != "X":
