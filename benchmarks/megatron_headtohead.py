@@ -32,8 +32,9 @@ H100, Transformer Engine layer spec, bf16):
 * ``dense_16k_mlp_recompute``: the same dense GPT and names with the MLP recomputed in both runs
   (``--recompute-granularity selective --recompute-modules mlp``), as the article's Qwen3 run
   recomputed its MoE: the names' share of what a layer keeps bounds how much of the peak
-  offloading them can remove (without the recompute they hold about a tenth of a layer's bytes,
-  the SwiGLU MLP most of the rest, so they cannot reach 10% of the peak at any length).
+  offloading them can remove, and without the recompute the SwiGLU MLP keeps most of a layer's
+  bytes. With ``--extra=--no-deterministic`` the peak leaves out deterministic fused attention's
+  backward workspace (quadratic in the sequence, about 13 GiB of this model's deterministic peak).
 * ``moe_act_vs_full_recompute``: the MoE with ``moe_act`` offloaded and the rest recomputed
   (``--recompute-modules core_attn,layernorm,mla_up_proj``); its baseline is full recompute
   (``--recompute-granularity full``, uniform, one layer per unit) without offloading, and its

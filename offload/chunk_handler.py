@@ -151,12 +151,13 @@ class ChunkOffloadHandler:
             records[:] = [rec for rec in records if rec.storage_alive()]
         if records:
             last = records[-1]
-            if (last.group is group and last.start + last.numel == start and last.dtype is dtype
-                    and last.version == version):
-                # The next span of the storage, saved in the same group: the pieces of one tensor
-                # (a grouped GEMM saves its input split per expert) become one record, so one copy
-                # each way and one buffer instead of one per piece (docs/design.md, Views).
-                last.extend(numel)
+            if (last.group is group and last.start <= start <= last.start + last.numel
+                    and last.dtype is dtype and last.version == version):
+                # A span that goes on from the group's last record of this storage: the pieces of
+                # one tensor (a grouped GEMM saves its input split per expert), or the whole storage
+                # after some of its pieces, become one record, so one copy each way and one buffer
+                # instead of one per piece (docs/design.md, Views).
+                last.extend_to(start + numel)
                 return last
         rec = TensorRecord(group, t, ptr, start, numel, version, itemsize)
         records.append(rec)

@@ -109,7 +109,8 @@ class OffloadConfig:
     Attributes:
         modules: names of the groups whose saved tensors are offloaded (``core_attn``, ...).
             Groups with other names run normally. A string is split at commas and spaces.
-        min_tensor_bytes: saved tensors smaller than this stay on the GPU.
+        min_tensor_bytes: saved tensors whose storage is smaller than this stay on the GPU (a
+            small view of a large storage is offloaded: kept, it would keep all of it).
         max_inflight_groups: at most this many groups may have device-to-host copies in flight
             whose GPU memory is still held; past it the compute stream waits (on the GPU, never
             the host) for the oldest copy, so the memory bound holds even when the host runs far

@@ -24,7 +24,8 @@ again for a second backward (``retain_graph=True``).
 
 Storage and views: a `TensorRecord` is one contiguous span of one storage. Several saved
 tensors that are views of the same storage share a record when its span covers them; a
-view covering at least half of its storage is recorded as the whole storage. A record saved
+view covering at least half of its storage is recorded as the whole storage; a span that goes
+on from the group's last record of its storage extends that record. A record saved
 by two groups (a module's output that the next module saves as its input) belongs to the
 latest of them, whose backward needs it first; the other group holds it as borrowed. Each saved
 tensor gets a `SavedHandle` with its own size, stride and offset, and is rebuilt with
@@ -101,9 +102,10 @@ class TensorRecord:
         self.unpacked = 0
         self.modified = False
 
-    def extend(self, numel: int) -> None:
-        """Take the ``numel`` elements right after this span into it (only while its group is open)."""
-        self.numel += numel
+    def extend_to(self, end: int) -> None:
+        """Make this span reach element ``end`` of its storage (only while its group is open,
+        before anything was copied: the start, which saved handles' offsets count from, stays)."""
+        self.numel = end - self.start
         self.nbytes = self.numel * self.itemsize
 
     @property

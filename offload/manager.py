@@ -251,11 +251,14 @@ class PipelineOffloadManager:
                 if handle is not None:
                     return handle
             return KeptTensor(t, group.label)
-        itemsize = t.dtype.itemsize
-        numel = t.numel()
-        if self.policy.never_offload_depth or not self.policy.eligible(t, numel * itemsize):
+        if self.policy.never_offload_depth or t.layout is not torch.strided:
             return KeptTensor(t, group.label)
         storage = t.untyped_storage()
+        storage_bytes = storage.nbytes()
+        if not self.policy.eligible(t, storage_bytes):
+            return KeptTensor(t, group.label)
+        itemsize = t.dtype.itemsize
+        numel = t.numel()
         ptr = storage.data_ptr()
         if self.policy.blocked(ptr):
             return KeptTensor(t, group.label)
@@ -263,7 +266,7 @@ class PipelineOffloadManager:
         size, stride = t.size(), t.stride()
         if not t.is_contiguous():  # the span the view touches
             numel = 1 + sum((n - 1) * s for n, s in zip(size, stride))
-        storage_numel = storage.nbytes() // itemsize
+        storage_numel = storage_bytes // itemsize
         if 2 * numel >= storage_numel:  # most of the storage: record all of it (docs/design.md, Views)
             start, numel = 0, max(storage_numel, start + numel)
         handler = group.handler

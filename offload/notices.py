@@ -48,7 +48,7 @@ def nothing_offloaded(stats: IterationStats, modules: Sequence[str], declared: I
                        "its forward, or in code that torch.compile traces: docs/compile.md)")
     tensors, nbytes = below_min
     if tensors:
-        reasons.append(f"{tensors} saved tensor(s) of them ({nbytes} bytes in all) were under "
+        reasons.append(f"{tensors} saved tensor(s) of them (storages of {nbytes} bytes in all) were under "
                        f"min_tensor_bytes={min_tensor_bytes}: lower it to offload them")
     if total.groups_kept:
         reasons.append(f"{total.groups_kept} group(s) stayed on the device as the last of their name "

@@ -7,7 +7,10 @@ A saved tensor is offloaded only if all of these hold:
   subclass such as TE's ``Float8Tensor`` is split into its plain tensors before this test:
   `offload.quantized`);
 * it lives on the engine's device;
-* it holds at least ``min_tensor_bytes``;
+* the storage it keeps alive holds at least ``min_tensor_bytes``: a small view of a large
+  storage (one expert's few rows of a grouped GEMM's input) is judged by the storage, since
+  keeping the view on the GPU keeps all of the storage there, and with it every other record
+  of that storage (their copies would free nothing);
 * it is not a leaf that requires grad (a parameter, a user input, or the detached inputs a
   recompute saves, as megatron's ``CheckpointWithoutOutput`` does): autograd's saved
   variable keeps such a leaf itself, hooks or not, so offloading would copy bytes and free
@@ -37,7 +40,7 @@ class TensorPolicy:
         self.min_tensor_bytes = min_tensor_bytes
         self._blocked: dict[int, weakref.ref] = {}
         self.never_offload_depth = 0  # `offload.never_offload` regions open: nothing is eligible
-        self.below_min = [0, 0]  # tensors and bytes refused for size, ever (`offload.notices`)
+        self.below_min = [0, 0]  # tensors, and their storages' bytes, refused for size, ever (`offload.notices`)
 
     def block_storage_of(self, tensor: torch.Tensor) -> None:
         """Never offload ``tensor``'s storage (any view of it) while the tensor lives. A wrapper
@@ -70,21 +73,23 @@ class TensorPolicy:
     def admits(self, t: torch.Tensor) -> bool:
         """The whole test for one tensor (the pack hook runs its two parts with values it
         has already computed)."""
-        return self.eligible(t, t.numel() * t.element_size()) and not self.blocked(t.untyped_storage().data_ptr())
+        if type(t) is not torch.Tensor or t.layout is not torch.strided:
+            return False
+        storage = t.untyped_storage()
+        return self.eligible(t, storage.nbytes()) and not self.blocked(storage.data_ptr())
 
-    def eligible(self, t: torch.Tensor, nbytes: int) -> bool:
-        """Every test but the storage's: ``t`` (of ``nbytes``) is a plain dense tensor on our
-        device, large enough, and neither a leaf that requires grad nor a view of one or of a
-        parameter (a frozen one, or FSDP2's unsharded parameters, fresh storages every step).
+    def eligible(self, t: torch.Tensor, storage_bytes: int) -> bool:
+        """Every test but the storage mark's, for a plain dense tensor (the callers checked its
+        type and layout): ``t``, whose storage holds ``storage_bytes``, is on our device, large
+        enough, and neither a leaf that requires grad nor a view of one or of a parameter (a
+        frozen one, or FSDP2's unsharded parameters, fresh storages every step).
         A view made without autograd of an activation (``torch.split`` inside a custom
         Function's forward, as Transformer Engine's ``GroupedLinear`` saves its per-expert
         inputs) reads as a leaf that requires grad, but its storage is the activation's."""
-        if nbytes < self.min_tensor_bytes:
+        if storage_bytes < self.min_tensor_bytes:
             below = self.below_min
             below[0] += 1
-            below[1] += nbytes
-            return False
-        if type(t) is not torch.Tensor or t.layout is not torch.strided:
+            below[1] += storage_bytes
             return False
         if not self._owns(t):
             return False

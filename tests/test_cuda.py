@@ -177,6 +177,68 @@ def test_no_growth_over_200_iterations(configure):
     assert all(buf.tensor.is_pinned() for buf in manager.pool._all)
 
 
+def _routing_sizes(gen: torch.Generator, tokens: int, experts: int) -> list[int]:
+    """Rows per expert, skewed as an untrained router's: several experts get a few rows or none,
+    and now and then one gets most of them."""
+    share = torch.rand(experts, generator=gen) ** 4
+    sizes = (share / share.sum() * tokens).floor().long().tolist()
+    sizes[-1] += tokens - sum(sizes)
+    return sizes
+
+
+def test_grouped_gemm_pieces_drawn_by_routing(configure, monkeypatch):
+    """A grouped GEMM saves its input as one piece per expert, with sizes that follow the routing,
+    drawn anew each iteration: pieces under ``min_tensor_bytes`` (which, kept, held the whole input
+    on the GPU, so its group moved nothing), pieces of most of the input after small ones. Copies
+    slowed, 20 iterations: gradients bitwise; each group's input is one record of the whole
+    storage, nothing is held elsewhere, and the pinned pool stops growing after the first
+    iteration although the pieces' sizes never repeat."""
+    hidden, experts, layers, tokens = 256, 8, 4, 2048  # fp32 rows of 1 KiB; 64 KiB is 64 rows
+    gen = torch.Generator().manual_seed(0)
+    weights = [[torch.randn(hidden, hidden, device="cuda", generator=torch.Generator(device="cuda").manual_seed(
+        10 * layer + e)).div_(16).requires_grad_() for e in range(experts)] for layer in range(layers)]
+    params = [w for ws in weights for w in ws]
+
+    def step(x, routing, offloading):
+        for w in params:
+            w.grad = None
+
+        def forward():  # returns before backward: nothing but autograd holds the layers' inputs
+            h = x * 1.0
+            for layer in range(layers):
+                if offloading:
+                    with offload.group("experts", h) as h_in:
+                        h = torch.cat([p @ w for p, w in zip(h_in.split(routing[layer]), weights[layer])])
+                else:
+                    h = torch.cat([p @ w for p, w in zip(h.split(routing[layer]), weights[layer])])
+            return h.square().sum()
+
+        loss = forward()
+        loss.backward()
+        return loss.detach(), {f"w{i}": w.grad.clone() for i, w in enumerate(params)}
+
+    configure(["experts"], min_tensor_bytes=64 << 10, max_inflight_groups=1, device="cuda")
+    slow_side_streams(monkeypatch)
+    allocations, pieces = [], set()
+    for it in range(20):
+        x, _ = seeded_pair(it, tokens, hidden, device="cuda")
+        routing = [_routing_sizes(gen, tokens, experts) for _ in range(layers)]
+        pieces.update(n for sizes in routing[:-1] for n in sizes)  # the last layer's group is kept
+        ref_loss, ref = reproducible(lambda: step(x, routing, False))
+        loss, got = step(x, routing, True)
+        assert torch.equal(loss, ref_loss), f"iteration {it}: losses differ"
+        diff = first_difference(ref, got)
+        assert diff is None, f"iteration {it}: {diff}"
+        stats = offload.end_iteration()
+        s = stats.by_name["experts"]
+        assert s.bytes_held_elsewhere == 0, f"iteration {it}: {s}"
+        assert s.groups_offloaded == layers - 1 and s.tensors_offloaded == layers - 1
+        assert s.bytes_offloaded == (layers - 1) * tokens * hidden * 4
+        allocations.append(stats.pinned_allocations)
+    assert allocations[0] == allocations[-1], f"pinned allocations after the first iteration: {allocations}"
+    assert min(pieces) < 64 and max(pieces) >= tokens // 2  # both cases were drawn
+
+
 def test_timing_statistics_are_plausible(configure):
     hidden, heads, layers, seq, batch = 1024, 8, 4, 2048, 1
     model = build_gpt(hidden, heads, layers, dtype=torch.bfloat16, device="cuda")

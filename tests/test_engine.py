@@ -191,6 +191,57 @@ def test_pieces_of_one_tensor_saved_in_order_are_one_record(configure, saved):
         assert s.tensors_offloaded == 2 and s.bytes_offloaded == (3 + 8 + 4) * 16 * 4
 
 
+def _grouped_gemm_step(sizes, weights, offloading):
+    """One grouped-GEMM-like forward and backward: the input split per expert, each piece saved
+    by its own ``mm``; with ``offloading``, in a group that a second group makes offloaded."""
+    for w in weights:
+        w.grad = None
+    x = torch.randn(sum(sizes), 16, generator=torch.Generator().manual_seed(5), requires_grad=True)
+
+    def experts(h):
+        return torch.cat([p @ w for p, w in zip(h.split(sizes), weights)])
+
+    def forward():  # returns before backward: nothing but autograd holds the input then
+        if not offloading:
+            return experts(x * 1.0).sum()
+        with offload.group("experts", x * 1.0) as h_in:
+            y = experts(h_in)
+        with offload.group("experts", y) as y_in:
+            return y_in.sum()
+
+    forward().backward()
+    return [x.grad, *(w.grad for w in weights)]
+
+
+def test_one_small_piece_does_not_keep_the_whole_input_on_the_device(configure):
+    """One expert's piece under ``min_tensor_bytes``, kept on the device, kept its whole storage
+    there: every other piece's copy read as freeing nothing (``bytes_held_elsewhere``) and the
+    group moved no byte. The size test now judges the storage the piece keeps alive."""
+    sizes = [64, 64, 2, 64, 64]  # rows of 16 floats: expert 2's 128 bytes are under 1 KiB
+    weights = [torch.randn(16, 16, requires_grad=True) for _ in sizes]
+    ref = _grouped_gemm_step(sizes, weights, offloading=False)
+    configure(["experts"], min_tensor_bytes=1024)
+    got = _grouped_gemm_step(sizes, weights, offloading=True)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    s = offload.end_iteration().by_name["experts"]
+    assert s.bytes_held_elsewhere == 0
+    assert s.tensors_offloaded == 1 and s.bytes_offloaded == sum(sizes) * 16 * 4
+
+
+def test_most_of_the_storage_after_small_pieces_extends_their_record(configure):
+    """A piece of at least half its storage records the whole storage (docs/design.md, Views);
+    after small pieces of the same group it extends their record instead of making a second,
+    overlapping one that would copy their rows twice."""
+    sizes = [3, 5, 40, 2]
+    weights = [torch.randn(16, 16, requires_grad=True) for _ in sizes]
+    ref = _grouped_gemm_step(sizes, weights, offloading=False)
+    configure(["experts"])
+    got = _grouped_gemm_step(sizes, weights, offloading=True)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    s = offload.end_iteration().by_name["experts"]
+    assert s.tensors_offloaded == 1 and s.bytes_offloaded == sum(sizes) * 16 * 4
+
+
 def test_tensor_held_elsewhere_is_not_copied(configure):
     """A tensor that something else holds stays on the GPU: copying it would free nothing."""
     configure(["g"])

@@ -176,7 +176,7 @@ def test_first_iteration_says_why_nothing_was_offloaded(configure, case):
     expected = {
         "no_names": "no module name is configured (group names of the model: attn_norm, attn_proj, core_attn, "
                     "fc1, fc2, mlp_act, mlp_norm, qkv_linear); call offload.configure(modules=...)",
-        "below_min": "4 group(s) of core_attn, fc1 ran; 14 saved tensor(s) of them (53760 bytes in all) were under "
+        "below_min": "4 group(s) of core_attn, fc1 ran; 14 saved tensor(s) of them (storages of 78336 bytes in all) were under "
                      "min_tensor_bytes=1073741824: lower it to offload them",
         "kept": "2 group(s) of core_attn, fc1 ran; 2 group(s) stayed on the device as the last of their name",
     }[case]

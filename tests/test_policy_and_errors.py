@@ -43,7 +43,8 @@ def test_policy_rejects_leaf_inputs_small_and_foreign_tensors():
     assert not p.admits(x)  # a user leaf: someone else holds it
     y = x * 2
     assert p.admits(y)
-    assert not p.admits(y[:10])  # 40 bytes < 64
+    assert not p.admits(torch.randn(10) * 2)  # 40 bytes < 64
+    assert p.admits(y[:10])  # 40 bytes, but it keeps all 400 of y's storage alive
     other = TensorPolicy(lambda t: False, 0)  # tensors of another device
     assert not other.admits(y)
     assert not p.admits(torch.randn(100).to_sparse())

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from offload.tools.intervals import Cover, length
 from offload.tools.overlap import compute_stream
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         p.exit(2, "profile_step.py: needs CUDA: it profiles the steps' CUDA streams\n")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     window = StepWindow(args.first, args.last, args.out, args.python)
-    hook = torch.optim.optimizer.register_optimizer_step_post_hook(window)
+    hook = register_optimizer_step_post_hook(window)
     sys.argv = script
     sys.path.insert(0, str(Path(script[0]).resolve().parent))  # as `python SCRIPT` does
     status: Any = 0
