@@ -119,7 +119,10 @@ def measure_step(work: Workload, steps: int) -> dict[str, Any]:
 
 def measure_times(work: Workload, steps: int) -> tuple[dict[str, dict[str, list]], dict[str, float], list]:
     """Per name: forward and backward ms of each instance (median over ``steps``); the whole
-    model's forward and backward ms; the order in which instances closed in forward."""
+    model's forward and backward ms; the order in which instances closed in forward. Without a
+    backward end marker (no input requires grad) the backward is the rest of each timed step:
+    taken from the same step as its forward, it cannot come out negative, as a difference with
+    `measure_step`'s separately timed steps could on a busy host."""
     cuda = work.device.type == "cuda"
     samples: dict[tuple[str, int, str], list[float]] = {}
     close_order: list = []
@@ -128,11 +131,17 @@ def measure_times(work: Workload, steps: int) -> tuple[dict[str, dict[str, list]
         b = Boundaries(work.model, work.mapping, timer)
         try:
             _sync(cuda)
+            timer("", 0, "step", "begin")
             work.step()
+            timer("", 0, "step", "end")
             close_order = [list(x) for x in b.close_order if x[0]]
         finally:
             b.remove()
-        for key, ms in timer.spans().items():
+        spans = timer.spans()
+        if ("", 0, "bwd") not in spans and ("", 0, "fwd") in spans:
+            spans[("", 0, "bwd")] = spans[("", 0, "step")] - spans[("", 0, "fwd")]
+        del spans[("", 0, "step")]
+        for key, ms in spans.items():
             samples.setdefault(key, []).append(ms)
     per: dict[str, dict[str, list]] = {}
     for (name, i, phase), v in sorted(samples.items(), key=lambda kv: (kv[0][0], kv[0][1])):
@@ -234,9 +243,8 @@ def profile(work: Workload, spec: dict[str, Any], steps: int, warmup: int, time_
         "tool": "profile_modules", "workload": spec, "description": work.description,
         "device": describe_device(work.device), "torch": torch.__version__,
         "min_tensor_bytes": min_tensor_bytes, "steps": steps, "warmup": warmup, "time_steps": time_steps,
-        # without an input that requires grad, the model's backward has no end marker: the rest of the step
         **step, "forward_end_allocated": forward_end, "forward_ms": whole.get("fwd"),
-        "backward_ms": whole.get("bwd", step["step_ms"] - whole["fwd"] if "fwd" in whole else None),
+        "backward_ms": whole.get("bwd"),
         "names": names, "close_order": close_order, "modules": modules, "storages": saved,
     }
 
