@@ -149,57 +149,18 @@ def test_small_view_of_big_storage_copies_only_its_span(configure):
     assert torch.equal(a.grad, torch.arange(100.0, 110.0))
 
 
-@pytest.mark.parametrize("saved", ["every piece", "all but the second"])
-def test_pieces_of_one_tensor_saved_in_order_are_one_record(configure, saved):
-    """A grouped GEMM saves its input split per expert: pieces that follow each other in one
-    storage become one record (one copy each way); pieces with a gap between them stay apart."""
-    sizes = [3, 5, 0, 8, 4]
-    weights = [torch.randn(16, 16, requires_grad=True) for _ in sizes]
-
-    def experts(x):
-        pieces = x.split(sizes)
-        used = range(len(sizes)) if saved == "every piece" else (0, 2, 3, 4)
-        return torch.cat([pieces[i] @ weights[i] for i in used])  # mm saves each piece
-
-    def run(offloading):
-        for w in weights:
-            w.grad = None
-        x = torch.randn(20, 16, generator=torch.Generator().manual_seed(3), requires_grad=True)
-        h = x * 1.0
-        if not offloading:
-            return experts(h).sum(), x
-        with offload.group("experts", h) as h_in:
-            y = experts(h_in)
-        with offload.group("experts", y) as y_in:  # a second group so that the first is offloaded
-            out = y_in.sum()
-        return out, x
-
-    out, x = run(offloading=False)
-    out.backward()
-    ref = [x.grad.clone(), *(w.grad for w in weights)]
-    configure(["experts"])
-    out, x = run(offloading=True)
-    out.backward()
-    got = [x.grad, *(w.grad for w in weights)]
-    assert [g is None for g in got] == [g is None for g in ref]
-    assert all(torch.equal(a, b) for a, b in zip(ref, got) if a is not None)
-    s = offload.end_iteration().by_name["experts"]
-    assert s.groups_offloaded == 1
-    if saved == "every piece":  # 3 + 5 + 0 + 8 + 4 rows: the whole storage, in one record
-        assert s.tensors_offloaded == 1 and s.bytes_offloaded == 20 * 16 * 4
-    else:  # rows 0-2, then (after the gap of rows 3-7) rows 8-15 and 16-19, which are adjacent
-        assert s.tensors_offloaded == 2 and s.bytes_offloaded == (3 + 8 + 4) * 16 * 4
-
-
-def _grouped_gemm_step(sizes, weights, offloading):
-    """One grouped-GEMM-like forward and backward: the input split per expert, each piece saved
-    by its own ``mm``; with ``offloading``, in a group that a second group makes offloaded."""
+def _grouped_gemm_step(sizes, weights, offloading, used=None):
+    """One grouped-GEMM-like forward and backward: the input split per expert, each piece (of
+    those in ``used``, all by default) saved by its own ``mm``; with ``offloading``, in a group
+    that a second group makes offloaded. Returns the input's and the weights' gradients."""
     for w in weights:
         w.grad = None
     x = torch.randn(sum(sizes), 16, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    used = range(len(sizes)) if used is None else used
 
     def experts(h):
-        return torch.cat([p @ w for p, w in zip(h.split(sizes), weights)])
+        pieces = h.split(sizes)
+        return torch.cat([pieces[i] @ weights[i] for i in used])
 
     def forward():  # returns before backward: nothing but autograd holds the input then
         if not offloading:
@@ -211,6 +172,26 @@ def _grouped_gemm_step(sizes, weights, offloading):
 
     forward().backward()
     return [x.grad, *(w.grad for w in weights)]
+
+
+@pytest.mark.parametrize("saved", ["every piece", "all but the second"])
+def test_pieces_of_one_tensor_saved_in_order_are_one_record(configure, saved):
+    """A grouped GEMM saves its input split per expert: pieces that follow each other in one
+    storage become one record (one copy each way); pieces with a gap between them stay apart."""
+    sizes = [3, 5, 0, 8, 4]
+    weights = [torch.randn(16, 16, requires_grad=True) for _ in sizes]
+    used = None if saved == "every piece" else (0, 2, 3, 4)
+    ref = _grouped_gemm_step(sizes, weights, offloading=False, used=used)
+    configure(["experts"])
+    got = _grouped_gemm_step(sizes, weights, offloading=True, used=used)
+    assert [g is None for g in got] == [g is None for g in ref]
+    assert all(torch.equal(a, b) for a, b in zip(ref, got) if a is not None)
+    s = offload.end_iteration().by_name["experts"]
+    assert s.groups_offloaded == 1
+    if saved == "every piece":  # 3 + 5 + 0 + 8 + 4 rows: the whole storage, in one record
+        assert s.tensors_offloaded == 1 and s.bytes_offloaded == 20 * 16 * 4
+    else:  # rows 0-2, then (after the gap of rows 3-7) rows 8-15 and 16-19, which are adjacent
+        assert s.tensors_offloaded == 2 and s.bytes_offloaded == (3 + 8 + 4) * 16 * 4
 
 
 def test_one_small_piece_does_not_keep_the_whole_input_on_the_device(configure):

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from offload.tools.intervals import Cover, length
+from offload.tools.intervals import Cover, length, union
 from offload.tools.overlap import compute_stream
 from offload.tools.trace_events import GpuOp, timeline_from_torch_events
 
@@ -73,25 +73,20 @@ def summarize(events: list[dict[str, Any]]) -> list[str]:
                      f"busy {_ms(length((o.start, o.end) for o in ops))} ms; "
                      + "; ".join(f"{k} {_ms(v)} ms" for k, v in kinds.most_common(6)))
     ordered = by_stream[compute]  # the timeline's operations are sorted by start
-    gaps, reach = [], ordered[0].end
-    for op in ordered[1:]:
-        if op.start - reach > GAP_US:
-            gaps.append((reach, op.start))
-        reach = max(reach, op.end)
+    busy = union((o.start, o.end) for o in ordered)
+    gaps = [(end, start) for (_, end), (start, _) in zip(busy, busy[1:]) if start - end > GAP_US]
     lines.append(f"compute-stream gaps > {GAP_US} us: {len(gaps)}, total {_ms(sum(b - a for a, b in gaps))} ms")
     idle = Cover(gaps)
     during: collections.Counter = collections.Counter()
-    for e in runtime:
-        overlap = idle.covered(e["ts"], e["ts"] + e["dur"])
-        if overlap > 0:
-            during[e["name"]] += overlap
-    lines.append("host runtime calls overlapping those gaps (ms): "
-                 + "; ".join(f"{k} {_ms(v)}" for k, v in during.most_common(8)))
     total: collections.Counter = collections.Counter()
     count: collections.Counter = collections.Counter()
     for e in runtime:
-        total[e["name"]] += e["dur"]
-        count[e["name"]] += 1
+        name = e["name"]
+        during[name] += idle.covered(e["ts"], e["ts"] + e["dur"])
+        total[name] += e["dur"]
+        count[name] += 1
+    lines.append("host runtime calls overlapping those gaps (ms): "
+                 + "; ".join(f"{k} {_ms(v)}" for k, v in during.most_common(8) if v > 0))
     lines.append("host runtime totals (ms, calls): "
                  + "; ".join(f"{k} {_ms(v)} ({count[k]})" for k, v in total.most_common(10)))
     side_d2h = Cover((o.start, o.end) for s, ops in by_stream.items() if s != compute for o in ops if o.copy == "d2h")
