@@ -218,8 +218,16 @@ class ChunkOffloadHandler:
         self.forget()
 
     def forget(self) -> None:
-        """Drop the groups without touching their records (a captured handler's buffers are
-        its graphs', given back by `offload.capture.CaptureSessions.release_graphs`)."""
+        """Drop the groups, after the caller gave back what their records held (`retire`, or
+        for a captured handler, whose buffers are its graphs',
+        `offload.capture.CaptureSessions.release_graphs`). Each group lets go of its records and
+        of the group before it, so no reference cycle (group <-> record, handler <-> group) is
+        left for Python's cyclic collector: the handler, its groups and their events are freed
+        when the last reference goes, also with ``gc.disable()`` (Megatron's ``--manual-gc``)."""
+        for group in self.groups:
+            group.records.clear()
+            group.borrowed.clear()
+            group.prev_same = None
         self.groups.clear()
         self.invocations.clear()
         self.last_of_name.clear()

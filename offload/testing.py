@@ -9,6 +9,8 @@ function of its inputs, which is what bitwise comparisons need.
 
 from __future__ import annotations
 
+import collections
+import gc
 import time
 from typing import Any, Callable
 
@@ -312,3 +314,28 @@ def slow_copy_streams(monkeypatch: Any, spin_cycles: int = 2_000_000) -> None:
         copy(self, stream, *args)
 
     monkeypatch.setattr(CudaStreams, "copy", slow_copy)
+
+
+def cyclic_garbage(run: Callable[[], None]) -> dict[str, int]:
+    """This library's objects that ``run()`` left in reference cycles, by type name: objects only
+    Python's cyclic collector can free, which pile up (with the CUDA events and any memory they
+    hold) while it is off, as under ``gc.disable()`` or Megatron's ``--manual-gc``, and which
+    otherwise live into the collector's oldest generation, whose full collections they make
+    more frequent."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        run()
+    finally:
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            gc.collect()
+            found = collections.Counter(type(obj).__name__ for obj in gc.garbage
+                                        if type(obj).__module__.split(".")[0] == "offload")
+        finally:
+            gc.garbage.clear()
+            gc.set_debug(0)
+            if was_enabled:
+                gc.enable()
+    return dict(found)

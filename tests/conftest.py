@@ -9,7 +9,8 @@ Helpers, imported by the test modules with ``from conftest import ...``: `CUDA_O
 seed), `PIPELINE_GRID` and `pipeline_ranks` (the (PP, VPP, M, rank) replays), `gpt_chunks`
 (one model per pipeline chunk), `slow_side_streams` (copies run late), `reproducible`
 (a reference run, checked against a second run), `attention_output_stays` (which names of a
-`GPTLayerStack` keep core_attn's output on the device). That import works because this is the
+`GPTLayerStack` keep core_attn's output on the device), `engine_flows` (the ways a chunk
+handler ends). That import works because this is the
 suite's only conftest.py: pytest imports every conftest.py outside a package as the module
 ``conftest``, so a second one (say in tests/integrations/) would take its place in
 ``sys.modules`` partway through a whole-suite run. Put fixtures for a subfolder here too.
@@ -154,3 +155,40 @@ def reproducible(run: Callable[[], Any], grads: Callable[[Any], dict] = lambda r
     diff = first_difference(grads(first), grads(run()))
     assert diff is None, f"the reference itself is not reproducible: {diff}"
     return first
+
+
+def engine_flows(model: torch.nn.Module, x: torch.Tensor, g: torch.Tensor) -> dict[str, Callable[[], None]]:
+    """The ways a chunk handler ends (for `offload.testing.cyclic_garbage`), each an iteration
+    of ``model`` (attached) on ``x`` with output gradient ``g``: gradient accumulation (each
+    backward follows its own forward), a pipeline-like order (all forwards, then all backwards),
+    a forward whose graph is dropped, a second backward (``retain_graph``), and a reset while
+    the saved tensors are alive (an aborted step), freed after it."""
+
+    def accumulation() -> None:
+        for _ in range(3):
+            model(x).backward(g)
+        offload.end_iteration()
+
+    def pipeline_order() -> None:
+        outs = [model(x) for _ in range(3)]
+        for out in outs:
+            out.backward(g)
+        offload.end_iteration()
+
+    def dropped_forward() -> None:
+        model(x).sum()
+        offload.end_iteration()
+
+    def retain_graph() -> None:
+        out = model(x)
+        out.backward(g, retain_graph=True)
+        out.backward(g)
+        offload.end_iteration()
+
+    def reset_while_alive() -> None:
+        out = model(x)
+        offload.reset()
+        del out
+        offload.end_iteration()
+
+    return {f.__name__: f for f in (accumulation, pipeline_order, dropped_forward, retain_graph, reset_while_alive)}

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import offload
-from conftest import CUDA_ONLY, SPIN_CYCLES, reproducible, seeded_pair, slow_side_streams
+from conftest import CUDA_ONLY, SPIN_CYCLES, engine_flows, reproducible, seeded_pair, slow_side_streams
 from offload import notices
-from offload.testing import GPT_MAPPING, build_gpt, first_difference, slow_copy_streams, train_step
+from offload.testing import GPT_MAPPING, build_gpt, cyclic_garbage, first_difference, slow_copy_streams, train_step
 
 pytestmark = [*CUDA_ONLY, pytest.mark.usefixtures("deterministic")]
 
@@ -175,6 +175,27 @@ def test_no_growth_over_200_iterations(configure):
     assert allocated[5] == allocated[-1], f"GPU memory grew: {allocated[5]} -> {allocated[-1]}"
     assert manager.live_handlers == [] and manager.pool.bytes_in_use == 0
     assert all(buf.tensor.is_pinned() for buf in manager.pool._all)
+
+
+@pytest.mark.filterwarnings("ignore:offload. nothing was offloaded")
+@pytest.mark.parametrize("flow", ["accumulation", "pipeline_order", "dropped_forward", "retain_graph",
+                                  "reset_while_alive"])
+def test_no_reference_cycles_with_the_cyclic_collector_off(configure, monkeypatch, flow):
+    """With ``gc.disable()`` (Megatron's ``--manual-gc``), copies slowed: no object of the engine
+    is left in a reference cycle (each holds CUDA events until a collection), and the GPU memory
+    and pinned buffers are back where they were after the warm-up."""
+    model = build_gpt(256, 4, 3, dtype=torch.bfloat16, device="cuda")
+    slow_side_streams(monkeypatch)
+    manager = configure(list(GPT_MAPPING), min_tensor_bytes=1024, device="cuda")
+    offload.attach(model, GPT_MAPPING)
+    flows = engine_flows(model, *seeded_pair(0, 256, 2, 256, dtype=torch.bfloat16, device="cuda"))
+    flows[flow]()
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    assert cyclic_garbage(lambda: [flows[flow]() for _ in range(3)]) == {}
+    torch.cuda.synchronize()
+    assert manager.live_handlers == [] and manager.pool.bytes_in_use == 0
+    assert torch.cuda.memory_allocated() == allocated
 
 
 def _routing_sizes(gen: torch.Generator, tokens: int, experts: int) -> list[int]:

@@ -31,7 +31,7 @@ from offload import OffloadError
 from offload.capture import ReplayCopies
 from offload.copy_queue import CopyQueue
 from offload.group import GroupState
-from offload.testing import GPT_MAPPING, build_gpt, first_difference, graph_pool_bytes
+from offload.testing import GPT_MAPPING, build_gpt, cyclic_garbage, first_difference, graph_pool_bytes
 
 pytestmark = [*CUDA_ONLY, pytest.mark.usefixtures("deterministic")]
 
@@ -671,6 +671,27 @@ def test_thousand_replays_leak_nothing(configure):
            manager.pool.allocations, manager.hook_calls, len(manager.captured_groups))
     assert end == start
     assert torch.cuda.memory_allocated() <= allocated
+
+
+def test_released_graphs_leave_no_reference_cycles(configure):
+    """Graphs captured with offloading (`offload.graphs.graph`, 1F1B), replayed, then released
+    (``reset(release_pool=True)``) with the cyclic collector off: no object of the engine is left
+    in a reference cycle (the captured handlers' groups and records, their events), and no pinned
+    buffer is left. (torch's ``make_graphed_callables`` wraps each graphed module in a cycle of its
+    own, which holds what its autograd contexts hold, our region edges' too, until a collection.)"""
+    model = _model()
+    manager = configure(NAMES, device="cuda", min_tensor_bytes=1 << 16)
+    offload.attach(model, GPT_MAPPING)
+
+    def capture_replay_release():
+        graphs = OrderedGraphs(model, 2, ONE_F_ONE_B)
+        for seed in range(2):
+            graphs.step(_inputs(seed), ONE_F_ONE_B)
+        torch.cuda.synchronize()
+        offload.reset(release_pool=True)
+
+    assert cyclic_garbage(capture_replay_release) == {}
+    assert manager.captured_groups == [] and manager.pool.bytes_total == 0
 
 
 def test_errors_changed_shape_and_unjoined(configure):

@@ -12,8 +12,8 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import offload
-from conftest import attention_output_stays, seeded_pair
-from offload.testing import GPT_MAPPING, build_gpt, first_difference, train_step
+from conftest import attention_output_stays, engine_flows, seeded_pair
+from offload.testing import GPT_MAPPING, build_gpt, cyclic_garbage, first_difference, recompute, train_step
 
 
 @pytest.mark.parametrize("modules", [["core_attn"], ["attn_proj"], ["qkv_linear", "core_attn", "attn_proj"],
@@ -592,3 +592,25 @@ def test_a_reload_orders_its_stream_with_one_reused_event(configure, monkeypatch
         stats = offload.end_iteration()
         assert sum(s.groups_offloaded for s in stats.by_name.values()) == 4  # 2 layers of 3, 2 names
     assert calls == []
+
+
+@pytest.mark.filterwarnings("ignore:offload. nothing was offloaded")
+@pytest.mark.parametrize("flow", ["accumulation", "pipeline_order", "dropped_forward", "retain_graph",
+                                  "reset_while_alive", "recompute"])
+def test_retired_handlers_leave_no_reference_cycles(configure, flow):
+    """A retired handler, its groups, records and events are freed by reference counting alone:
+    with Python's cyclic collector off (``gc.disable()``, Megatron's ``--manual-gc``) nothing of
+    the engine piles up, and with it on nothing lives into an old generation to be found there."""
+    model = build_gpt(32, 4, 3)
+    mapping = dict(GPT_MAPPING)
+    flows = engine_flows(model, *seeded_pair(0, 8, 2, 32))
+    if flow == "recompute":
+        recompute(model, "layers.*.mlp")
+        mapping.update(fc1="layers.*.mlp.inner.linear_fc1", mlp_act="layers.*.mlp.inner.activation",
+                       fc2="layers.*.mlp.inner.linear_fc2")
+        flows[flow] = flows["accumulation"]
+    configure(list(mapping))
+    offload.attach(model, mapping)
+    flows[flow]()  # warm-up: the pool's buffers, the engine's lasting objects
+    assert cyclic_garbage(lambda: [flows[flow]() for _ in range(3)]) == {}
+    assert offload.get_manager().live_handlers == []

@@ -68,3 +68,51 @@ def test_bad_arguments_are_refused_before_anything_runs(tool, argv, message, cap
     with pytest.raises(SystemExit) as info:
         tool["main"](argv)
     assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+TRAIN = '''
+import sys, warnings
+import torch
+import offload
+from offload.testing import GPT_MAPPING, build_gpt
+warnings.simplefilter("ignore")
+model = build_gpt(32, 4, 2)
+offload.configure("core_attn,fc1", min_tensor_bytes=0)
+offload.attach(model, GPT_MAPPING)
+opt = torch.optim.SGD(model.parameters(), lr=0.0)
+x = torch.randn(8, 2, 32)
+for _ in range(int(sys.argv[1])):
+    model(x).sum().backward()
+    opt.step()
+    offload.end_iteration()
+'''
+
+
+def test_engine_timers_of_a_training_script(tool, tmp_path, capsys):
+    """``--engine`` runs on the CPU too: between optimizer steps 2 and 4 of a script whose steps
+    run 2 layers of the 8 names `attach` maps (2 of them offloaded), the engine's entry points
+    were called that often per step, the collector's line is there, and the wrappers are gone
+    afterwards."""
+    from offload.manager import PipelineOffloadManager
+
+    pack = PipelineOffloadManager.__dict__["_pack"]
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    out = tmp_path / "prof"
+    assert tool["main"](["--engine", "--first", "2", "--last", "4", "--out", str(out), "--", str(script), "5"]) == 0
+    table = (tmp_path / "prof.engine.txt").read_text()
+    assert table in capsys.readouterr().out
+    assert table.startswith("python gc per step: gen0 ")
+    rows = {line.split()[0]: line.split() for line in table.splitlines()[2:]}
+    assert rows["PipelineOffloadManager.open_group"][3] == "16"  # calls per step
+    assert rows["PipelineOffloadManager.close_group"][3] == "16"
+    assert int(rows["PipelineOffloadManager._pack"][3]) > 4
+    assert PipelineOffloadManager.__dict__["_pack"] is pack
+
+
+def test_engine_timers_with_too_few_steps_fail(tool, tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    assert tool["main"](["--engine", "--first", "2", "--last", "4", "--out", str(tmp_path / "p"), "--",
+                         str(script), "3"]) == 1
+    assert "fewer than --last 4" in capsys.readouterr().err

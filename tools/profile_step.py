@@ -18,6 +18,10 @@ counted together) starts profiling after step ``--first`` and stops after step `
 * ``--python``: cProfile of the same steps instead, ``OUT.cprof.txt`` (also printed): the host's
   functions by own time, then this library's by cumulative time. cProfile slows every Python
   call, so compare two runs under it, not a run under it with one without.
+* ``--engine``: the host time of the same steps inside each of the engine's entry points (also
+  on autograd's backward thread) and in Python's garbage collector, per step, with
+  `offload.tools.engine_timers`, instead: ``OUT.engine.txt`` (also printed). Its timers cost
+  about a microsecond per call: compare two runs under them.
 
 The compute stream is the one with the most kernel time. The profiler's own overhead lengthens
 the window on the host side, alike with and without offloading: compare two runs of this tool.
@@ -41,6 +45,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from offload.tools.engine_timers import EngineTimers
 from offload.tools.intervals import Cover, length, union
 from offload.tools.overlap import compute_stream
 from offload.tools.trace_events import GpuOp, timeline_from_torch_events
@@ -117,14 +122,23 @@ def python_table(profile: cProfile.Profile) -> str:
 class StepWindow:
     """Starts profiling after optimizer step ``first`` and stops after step ``last``."""
 
-    def __init__(self, first: int, last: int, out: Path, python: bool) -> None:
+    def __init__(self, first: int, last: int, out: Path, python: bool, timers: EngineTimers | None = None) -> None:
         self.first, self.last, self.out, self.python = first, last, out, python
+        self.timers = timers  # --engine: installed before the script runs, read here
         self.steps = 0
         self.profiler: Any = None
         self.done = False
 
     def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.steps += 1
+        if self.timers is not None:
+            if self.steps == self.first:
+                self.timers.clear()
+            elif self.steps == self.last:
+                table = self.timers.table(self.last - self.first)
+                self._write(self.out.with_name(self.out.name + ".engine.txt"), table + "\n")
+                self.done = True
+            return
         if self.steps == self.first:
             torch.cuda.synchronize()
             if self.python:
@@ -163,17 +177,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--first", type=int, default=5, help="start after this optimizer step (1 = the first)")
     p.add_argument("--last", type=int, default=7, help="stop after this optimizer step")
     p.add_argument("--out", type=Path, required=True, help="path prefix of what is written")
-    p.add_argument("--python", action="store_true", help="cProfile of the host's Python instead")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--python", action="store_true", help="cProfile of the host's Python instead")
+    mode.add_argument("--engine", action="store_true",
+                      help="host time in the engine's entry points and in the garbage collector instead")
     args = p.parse_args(argv[:split])
     script = argv[split + 1:]
     if not script:
         p.error("no script: put it and its arguments after --")
     if not 1 <= args.first < args.last:
         p.error(f"need 1 <= --first < --last (got {args.first} and {args.last})")
-    if not torch.cuda.is_available():
-        p.exit(2, "profile_step.py: needs CUDA: it profiles the steps' CUDA streams\n")
+    if not torch.cuda.is_available() and not args.engine:
+        p.exit(2, "profile_step.py: needs CUDA: it profiles the steps' CUDA streams (--engine does not)\n")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    window = StepWindow(args.first, args.last, args.out, args.python)
+    timers = EngineTimers().install() if args.engine else None
+    window = StepWindow(args.first, args.last, args.out, args.python, timers)
     hook = register_optimizer_step_post_hook(window)
     sys.argv = script
     sys.path.insert(0, str(Path(script[0]).resolve().parent))  # as `python SCRIPT` does
@@ -184,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         status = exc.code
     finally:
         hook.remove()
+        if timers is not None:
+            timers.remove()
     if not window.done:
         print(f"profile_step.py: the script made {window.steps} optimizer step(s), fewer than --last "
               f"{args.last}: nothing profiled", file=sys.stderr)
