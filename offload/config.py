@@ -134,7 +134,7 @@ class OffloadConfig:
         timing: record CUDA events around copies and waits so that statistics report copy
             bandwidth and the time the compute stream waited, and the copy-wait notice can
             measure (`offload.copy_wait`). Costs a few events per group and a wait for them at
-            ``end_iteration()``: about 12 ms of host time per step for 112 groups on an H100
+            ``end_iteration()``: about 10 ms of host time per step for 112 groups on an H100
             host (docs/megatron.md, the engine's host time); ``False`` where the host paces
             the step and the statistics' times are not read.
         policy: which groups of the enabled names to offload, decided per group from its
