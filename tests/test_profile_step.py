@@ -63,6 +63,7 @@ def test_summary_without_cuda_activity_says_so(tool):
     (["--out", "o"], "no script: put it and its arguments after --"),
     (["--out", "o", "--first", "3", "--last", "3", "--", "train.py"], "need 1 <= --first < --last (got 3 and 3)"),
     (["--out", "o", "--first", "0", "--", "train.py"], "need 1 <= --first < --last (got 0 and 7)"),
+    (["--out", "o", "--python", "--engine", "--", "train.py"], "argument --engine: not allowed with argument --python"),
 ])
 def test_bad_arguments_are_refused_before_anything_runs(tool, argv, message, capsys):
     with pytest.raises(SystemExit) as info:
