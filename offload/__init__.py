@@ -77,7 +77,7 @@ def configure(
     max_inflight_groups: int = 1,
     max_pinned_bytes: int | None = None,
     copy_chunk_bytes: int = 16 << 20,
-    timing: bool = True,
+    timing: bool = False,
     policy: GroupPolicy | None = None,
     device: torch.device | str | None = None,
     memory_budget: Budget | str | int | None = None,

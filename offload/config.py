@@ -131,12 +131,13 @@ class OffloadConfig:
             offload waits for the rest of the queued transfer, pieces or not, because the copy
             engine serves copies in the order they were queued (H100 measurements:
             docs/results/copy_chunks.md).
-        timing: record CUDA events around copies and waits so that statistics report copy
-            bandwidth and the time the compute stream waited, and the copy-wait notice can
-            measure (`offload.copy_wait`). Costs a few events per group and a wait for them at
+        timing: time every iteration's copies and waits with CUDA events, so that each
+            iteration's statistics report copy bandwidth and the time the compute stream
+            waited. Costs a few events per group and a host wait for them at
             ``end_iteration()``: about 10 ms of host time per step for 112 groups on an H100
-            host (docs/megatron.md, the engine's host time); ``False`` where the host paces
-            the step and the statistics' times are not read.
+            host (docs/megatron.md, the engine's host time). ``False`` (the default) times only
+            the three early iterations the copy-wait notice measures (`offload.copy_wait`),
+            whose statistics carry the times; the others report zero times.
         policy: which groups of the enabled names to offload, decided per group from its
             `GroupInfo` (layer, chunk, microbatch, schedule phase, live microbatches); see
             `offload.group_policy`. ``None`` offloads all of them.
@@ -147,7 +148,7 @@ class OffloadConfig:
     max_inflight_groups: int = 1
     max_pinned_bytes: int | None = None
     copy_chunk_bytes: int = 16 << 20
-    timing: bool = True
+    timing: bool = False
     policy: GroupPolicy | None = None
     enabled: frozenset = field(init=False, repr=False, compare=False)
 

@@ -59,13 +59,12 @@ class CopyQueue:
     """Issues the copies of groups on the side streams and tracks those in flight."""
 
     def __init__(self, streams: Any, pool: PinnedHostPool, stats: StatsRecorder, max_inflight: int,
-                 chunk_bytes: int, timing: bool) -> None:
+                 chunk_bytes: int) -> None:
         self.streams = streams
         self.pool = pool
-        self.stats = stats
+        self.stats = stats  # also says whether this iteration's copies and waits are timed
         self.max_inflight = max_inflight
         self.chunk_bytes = chunk_bytes
-        self.timing = timing and streams.is_cuda
         self.inflight: deque[OffloadGroup] = deque()
         self.carried = 0  # the first ``carried`` groups in flight are outside the bound (`carry_in`)
         self.deferred: list[OffloadGroup] = []  # decided, not yet issued (Note [7])
@@ -114,7 +113,7 @@ class CopyQueue:
 
     def _issue(self, group: OffloadGroup, todo: list, captured: bool) -> None:
         streams, d2h = self.streams, self.streams.d2h
-        timing = self.timing and not captured  # a captured event cannot be timed
+        timing = self.stats.timing and not captured  # a captured event cannot be timed
         nvtx.push("offload/" + group.label)
         group.d2h_done = streams.event(timing)
         d2h.wait_event(group.ready)  # Note [1]
@@ -224,7 +223,7 @@ class CopyQueue:
         if not todo:
             return False
         streams = self.streams
-        timing = self.timing and session is None
+        timing = self.stats.timing and session is None
         current = streams.current()
         for rec in todo:
             rec.dev = streams.empty(rec.numel, rec.dtype)  # Note [2]
@@ -291,7 +290,7 @@ class CopyQueue:
     # ------------------------------------------------------------------ waits
     def wait(self, stream: Any, event: Any, kind: str, name: str) -> None:
         """``stream`` waits on ``event`` on the GPU; with timing, measure how long it stood."""
-        if self.timing and not self.streams.is_capturing():
+        if self.stats.timing and not self.streams.is_capturing():
             before = self.streams.event(timing=True)
             after = self.streams.event(timing=True)
             before.record(stream)

@@ -35,8 +35,9 @@ in-flight bound or the forward's end (waits for copies out), or from the reloads
 copies back), and the notice says so. It always points to the planner,
 ``offload.configure(modules="auto", memory_budget=...)`` and ``offload.plan``.
 
-The CPU fallback cannot time its copies, and ``timing=False`` times nothing: then no probe
-runs and nothing is said.
+The CPU fallback cannot time its copies: there no probe runs and nothing is said. On a GPU the
+engine times its copies and waits in the measured iterations whatever ``timing`` says
+(`offload.stats.StatsRecorder.timing`); ``timing=True`` times every iteration.
 """
 
 from __future__ import annotations

@@ -167,7 +167,9 @@ class KeptTensor:
     __slots__ = ("tensor", "version", "label")
 
     def __init__(self, tensor: torch.Tensor, label: str) -> None:
-        self.tensor = tensor.detach()  # no grad_fn: see TensorRecord.__init__
+        # Without its grad_fn (see TensorRecord.__init__); a tensor that has none (a weight, an
+        # input) is held as it is, which saves a detach per weight on the hook's path.
+        self.tensor = tensor if tensor.grad_fn is None else tensor.detach()
         self.version = tensor._version
         self.label = label
 

@@ -40,6 +40,8 @@ from .schedules import SchedulePlan
 from .stats import IterationStats, StatsRecorder
 from .streams import make_streams
 
+_Parameter = torch.nn.Parameter  # saved as weights by every linear layer: kept, and never split
+
 
 class PipelineOffloadManager:
     """The offloading engine. Use `get()` for the process-wide instance."""
@@ -69,7 +71,7 @@ class PipelineOffloadManager:
         self.policy = TensorPolicy(self.streams.owns, config.min_tensor_bytes)
         self.stats = StatsRecorder.for_engine(self.streams, config)
         self.copies = CopyQueue(self.streams, self.pool, self.stats, config.max_inflight_groups,
-                                config.copy_chunk_bytes, config.timing)
+                                config.copy_chunk_bytes)
         self.order = BackwardOrder()
         self.chunks = ChunkLifecycle(self.order, self.copies, self.stats)
         self.captures = CaptureSessions(self)
@@ -245,8 +247,9 @@ class PipelineOffloadManager:
     def _pack(self, t: torch.Tensor) -> Any:
         self.hook_calls += 1
         group = self._open[-1]
-        if type(t) is not torch.Tensor:
-            if not self.policy.never_offload_depth and splittable(t):
+        cls = type(t)
+        if cls is not torch.Tensor:
+            if cls is not _Parameter and not self.policy.never_offload_depth and splittable(t):
                 handle = pack_quantized(t, self._pack, self._unpack)  # offload/quantized.py
                 if handle is not None:
                     return handle

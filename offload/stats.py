@@ -14,8 +14,9 @@ if TYPE_CHECKING:
 class GroupStats:
     """What the groups of one name did in one iteration.
 
-    Times are milliseconds measured with CUDA events (zero on the CPU fallback or with
-    ``timing=False``). ``offload_wait_ms`` is the time the compute stream stood still waiting
+    Times are milliseconds measured with CUDA events, in the iterations that are timed (every
+    one with ``timing=True``, else the three the copy-wait notice measures; zero in the others
+    and on the CPU fallback). ``offload_wait_ms`` is the time the compute stream stood still waiting
     for device-to-host copies (the in-flight bound), ``reload_wait_ms`` the time it waited
     for host-to-device copies that backward needed. ``reloads_on_demand`` counts reloads that
     backward asked for before anything had prefetched them (their copy could not overlap).
@@ -68,6 +69,7 @@ class IterationStats:
     The ``pinned_*`` fields describe the pinned host pool since it was created: its bytes and
     buffers, the most bytes in use at once, and how many allocations it made and how long they
     took (pinning costs about 0.4 ms per MiB; in steady state the count stops growing).
+    ``timed``: whether this iteration's copies and waits were timed (`GroupStats`' times).
     """
 
     iteration: int = 0
@@ -80,6 +82,7 @@ class IterationStats:
     pinned_failures: int = 0
     max_inflight_groups: int = 0
     handlers: int = 0
+    timed: bool = False
 
     def total(self) -> GroupStats:
         """All names together."""
@@ -99,20 +102,32 @@ class StatsRecorder:
 
     ``probe``: the copy-wait notice's `offload.copy_wait.CopyWaitProbe`, fed the groups' closes
     and the timed waits while it records, and each iteration's statistics; dropped once it is
-    done (`for_engine` makes one where the engine can time its copies)."""
+    done (`for_engine` makes one where the engine can time its copies). ``always_timed``: time
+    every iteration's copies and waits (``OffloadConfig.timing``), not only those the probe
+    measures: see `timing`."""
 
-    def __init__(self, probe: "CopyWaitProbe | None" = None) -> None:
+    def __init__(self, probe: "CopyWaitProbe | None" = None, always_timed: bool = False) -> None:
         self.probe = probe
+        self.always_timed = always_timed
         self._start()
 
     @classmethod
     def for_engine(cls, streams: Any, config: Any) -> "StatsRecorder":
         """A recorder for an engine on ``streams`` with ``config`` (an `OffloadConfig`), with
-        a copy-wait probe where names are configured and copies are timed (CUDA, ``timing``)."""
+        a copy-wait probe where names are configured and copies can be timed (CUDA)."""
         from .copy_wait import CopyWaitProbe  # it imports this module
 
-        timed = streams.is_cuda and config.timing and config.enabled
-        return cls(CopyWaitProbe(streams, config.max_inflight_groups) if timed else None)
+        probe = CopyWaitProbe(streams, config.max_inflight_groups) if streams.is_cuda and config.enabled else None
+        return cls(probe, always_timed=streams.is_cuda and config.timing)
+
+    @property
+    def timing(self) -> bool:
+        """Whether the iteration in progress times its copies and waits with CUDA events: every
+        iteration with ``always_timed``, else only those the copy-wait probe measures (three,
+        early on). Each timed group costs a few events and `collect` a host wait for them, about
+        10 ms per step for 112 groups on an H100 host (docs/megatron.md, the engine's host time)."""
+        probe = self.probe
+        return self.always_timed or (probe is not None and probe.recording)
 
     def _start(self) -> None:
         self.by_name: dict[str, GroupStats] = defaultdict(GroupStats)
@@ -166,6 +181,7 @@ class StatsRecorder:
             pinned_failures=pool.failures,
             max_inflight_groups=self._max_inflight,
             handlers=self.handlers,
+            timed=self.timing,
         )
         self._start()
         if self.probe is not None and self.probe.end_iteration(out):

@@ -179,16 +179,21 @@ class CudaStreams:
     def copy(self, stream: torch.cuda.Stream, jobs: Sequence[CopyJob], chunk_bytes: int) -> None:
         """Issue the copies ``jobs`` on ``stream`` (see `CopyJob`), in pieces of at most
         ``chunk_bytes``. The caller has made ``stream`` wait for whatever the copies depend on."""
-        with self.use(stream):  # the stream's device current, as the runtime expects
+        if self._memcpy is not None and torch._C._cuda_getDevice() == self._index and not _sanitizer_watches():
+            self._memcpy_jobs(stream.cuda_stream, jobs, chunk_bytes)  # the stream is an argument: no switch
+            return
+        with self.use(stream):  # the stream current (torch's copies) and its device (the runtime's)
             self._copy_on_current(stream, jobs, chunk_bytes)
 
     def _copy_on_current(self, stream: torch.cuda.Stream, jobs: Sequence[CopyJob], chunk_bytes: int) -> None:
-        memcpy = self._memcpy
-        if memcpy is None or _sanitizer_watches():
+        if self._memcpy is None or _sanitizer_watches():
             for dst, src, start in jobs:
                 copy_in_pieces(dst, _span(src, start, dst.numel()), chunk_bytes)
             return
-        handle = stream.cuda_stream
+        self._memcpy_jobs(stream.cuda_stream, jobs, chunk_bytes)
+
+    def _memcpy_jobs(self, handle: int, jobs: Sequence[CopyJob], chunk_bytes: int) -> None:
+        memcpy = self._memcpy
         for dst, src, start in jobs:
             nbytes = dst.nbytes
             to = dst.data_ptr()

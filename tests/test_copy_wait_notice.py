@@ -15,6 +15,7 @@ from offload import notices
 from offload.copy_wait import (GIVE_UP, MAX_SUBSET_NAMES, CopyWaitProbe, NameFigures, copy_wait_notice,
                                fitting_subset)
 from offload.config import OffloadConfig
+from offload.pinned_pool import PinnedHostPool
 from offload.stats import GroupStats, IterationStats, StatsRecorder
 from offload.streams import HostStreams, _HostEvent, _HostStream
 from offload.testing import GPT_MAPPING, build_gpt, train_step
@@ -243,13 +244,29 @@ def test_probe_gives_up_when_no_iteration_can_be_measured():
     assert done == [False] * (GIVE_UP - 1) + [True] and probe.figures == [] and probe.notice is None
 
 
-def test_a_probe_runs_where_copies_are_timed_and_names_configured(configure):
+def test_a_probe_runs_where_copies_can_be_timed_and_names_configured(configure):
     assert configure(["fc1"]).stats.probe is None  # the CPU fallback times nothing
     cuda = FakeStreams()
-    probe = StatsRecorder.for_engine(cuda, OffloadConfig(modules="fc1", max_inflight_groups=3)).probe
-    assert isinstance(probe, CopyWaitProbe) and probe.max_inflight_groups == 3 and probe.streams is cuda
-    assert StatsRecorder.for_engine(cuda, OffloadConfig(modules="fc1", timing=False)).probe is None
+    for timing in (False, True):  # timing=False still times the probe's iterations
+        stats = StatsRecorder.for_engine(cuda, OffloadConfig(modules="fc1", max_inflight_groups=3, timing=timing))
+        probe = stats.probe
+        assert isinstance(probe, CopyWaitProbe) and probe.max_inflight_groups == 3 and probe.streams is cuda
+        assert stats.always_timed is timing
     assert StatsRecorder.for_engine(cuda, OffloadConfig(modules=())).probe is None
+
+
+def test_copies_are_timed_in_the_probes_iterations_or_always_with_timing(configure):
+    """Without ``timing``, the engine times its copies and waits only while the copy-wait probe
+    records (iterations 2 to 4), then no more; with it, every iteration."""
+    cuda = FakeStreams()
+    for timing, expected in ((False, [False, False, True, True, True, False, False]), (True, [True] * 7)):
+        stats = StatsRecorder.for_engine(cuda, OffloadConfig(modules="fc1", timing=timing))
+        seen = []
+        for _ in range(7):
+            seen.append(stats.timing)
+            stats.collect(len(seen) - 1, PinnedHostPool(pin=False))
+            cuda.now += 10.0
+        assert seen == expected, timing
 
 
 # ---------------------------------------------------------------------------- end to end, simulated GPU time
@@ -332,7 +349,7 @@ def engine_on_simulated_gpu(configure, monkeypatch, bytes_per_ms: float, names: 
     monkeypatch.setattr(notices, "_said", set())
     gpu = SimulatedGpu(monkeypatch, bytes_per_ms)
     manager = configure(names)
-    manager.copies.timing = True  # the fallback times nothing; the simulated clocks can
+    manager.stats.always_timed = True  # the fallback times nothing; the simulated clocks can
     probe = manager.stats.probe = CopyWaitProbe(CountedStreams(manager.streams), manager.config.max_inflight_groups)
     model = build_gpt(32, 4, 4)
     offload.attach(model, GPT_MAPPING)

@@ -277,6 +277,28 @@ def test_timing_statistics_are_plausible(configure):
     assert 1 < d2h < 1000 and 1 < h2d < 1000
 
 
+@pytest.mark.parametrize("timing", [False, True], ids=["default", "timing"])
+def test_which_iterations_are_timed(configure, timing):
+    """By default the engine times its copies and waits only in the iterations the copy-wait
+    notice measures (2 to 4), whose statistics carry the times; then it makes no timing event
+    any more. ``timing=True`` times every iteration."""
+    model = build_gpt(256, 4, 4, dtype=torch.bfloat16, device="cuda")
+    manager = configure(["fc1"], timing=timing, min_tensor_bytes=0, device="cuda")
+    offload.attach(model, GPT_MAPPING)
+    x, g = seeded_pair(0, 512, 1, 256, dtype=torch.bfloat16, device="cuda")
+    timed, copied = [], []
+    for _ in range(8):
+        train_step(model, x, g)
+        stats = offload.end_iteration()
+        torch.cuda.synchronize()
+        timed.append(stats.timed)
+        copied.append(stats.total().d2h_ms > 0 and stats.total().h2d_ms > 0)
+    expected = [True] * 8 if timing else [False, False, True, True, True, False, False, False]
+    assert timed == expected and copied == expected
+    assert manager.stats.probe is None  # decided (nothing to say for these small copies)
+    assert manager.stats.timing is timing
+
+
 @pytest.mark.parametrize("slowed", [True, False], ids=["slowed_copies", "small_copies"])
 def test_copy_wait_notice(configure, monkeypatch, slowed):
     """Copies slowed by a spin of about 10 ms each (`offload.testing.slow_copy_streams`): after

@@ -56,7 +56,19 @@ class Measured:
 
 
 def measure(step: Callable[[], None], steps: int, warmup: int, cuda: bool) -> Measured:
-    """``warmup`` steps, then ``steps`` measured ones, each followed by ``end_iteration()``."""
+    """``warmup`` steps, then ``steps`` measured ones, each followed by ``end_iteration()``; the
+    engine times every one of them (``timing=True``) for the waits and copy rates."""
+    import offload
+
+    recorder = offload.get_manager().stats
+    always_timed, recorder.always_timed = recorder.always_timed, cuda
+    try:
+        return _measure(step, steps, warmup, cuda)
+    finally:
+        recorder.always_timed = always_timed
+
+
+def _measure(step: Callable[[], None], steps: int, warmup: int, cuda: bool) -> Measured:
     import offload
 
     for _ in range(warmup):

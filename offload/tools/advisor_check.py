@@ -41,7 +41,7 @@ def run_config(work: Workload, modules: list[str], steps: int, warmup: int, min_
     """Median step time, memory peak and the engine's statistics with ``modules`` offloaded."""
     cuda = work.device.type == "cuda"
     offload.configure(modules, min_tensor_bytes=min_tensor_bytes, max_inflight_groups=max_inflight_groups,
-                      device=work.device)
+                      timing=True, device=work.device)
     handle = offload.attach(work.model, {n: work.mapping[n] for n in modules}) if modules else None
     try:
         for _ in range(warmup):

@@ -261,7 +261,7 @@ def record(argv: list[str]) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         offload.configure(modules, min_tensor_bytes=mtb, max_inflight_groups=args.max_inflight_groups,
-                          device=work.device)
+                          timing=True, device=work.device)  # the statistics' waits, every step
     handle = offload.attach(work.model, {n: work.mapping[n] for n in modules})
     for _ in range(args.warmup):
         work.step()
