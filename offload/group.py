@@ -74,7 +74,7 @@ class TensorRecord:
 
     __slots__ = (
         "group", "ptr", "src", "src_ref", "start", "numel", "dtype", "itemsize", "version",
-        "nbytes", "host", "dev", "reload_group", "last_read", "handles", "alive", "unpacked",
+        "host", "dev", "reload_group", "last_read", "handles", "alive", "unpacked",
         "modified",
     )
 
@@ -92,7 +92,6 @@ class TensorRecord:
         self.dtype = src.dtype
         self.itemsize = itemsize
         self.version = version
-        self.nbytes = numel * itemsize
         self.host: HostBuffer | None = None
         self.dev: torch.Tensor | None = None
         self.reload_group: OffloadGroup | None = None
@@ -106,7 +105,11 @@ class TensorRecord:
         """Make this span reach element ``end`` of its storage (only while its group is open,
         before anything was copied: the start, which saved handles' offsets count from, stays)."""
         self.numel = end - self.start
-        self.nbytes = self.numel * self.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the span (what its copy moves and its host buffer holds)."""
+        return self.numel * self.itemsize
 
     @property
     def needs_reload(self) -> bool:
