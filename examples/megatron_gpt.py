@@ -33,6 +33,9 @@ Each run writes ``--json``: the device, the command, per-step losses (exact: ``f
 a hash of the trained parameters, and per rank the peak memory (plus the CUDA graphs' private
 pools) and the step times (median after ``--warmup-steps``), plus the engine's statistics. Two
 runs whose ``loss_hex`` and ``param_sha256`` agree trained bitwise identically.
+``--alternate-baseline`` alternates the measured steps between offloading and none
+(`offload.suspended`), ending with one that offloads, and reports both kinds' median step and
+peak (``alternate_baseline``): a comparison that drift between processes cannot bias.
 ``--deterministic`` (the default) makes a run reproducible, which such a comparison needs on a
 GPU (and sets ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` for Transformer Engine).
 
@@ -53,6 +56,7 @@ SequentialMLP without it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -90,6 +94,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import offload  # noqa: E402
 from offload.errors import OffloadError  # noqa: E402
 from offload.integrations import megatron as megatron_offload  # noqa: E402
 from offload.integrations import megatron_plan  # noqa: E402
@@ -168,6 +173,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-deterministic", dest="deterministic", action="store_false")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", type=Path, default=None, help="write the results here (rank 0)")
+    p.add_argument("--alternate-baseline", action="store_true",
+                   help="measured steps alternate between offloading and none (offload.suspended), the last "
+                        "one offloading: both step times and peaks come from this one process")
     megatron_offload.add_arguments(p)
     args = p.parse_args(argv)
     for key, value in {**DEFAULTS, **PRESETS[args.model]}.items():
@@ -186,6 +194,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.cuda_graph_impl != "none" and args.warmup_steps < args.cuda_graph_warmup_steps + 2:
         p.error(f"--warmup-steps {args.warmup_steps} must be at least --cuda-graph-warmup-steps + 2 "
                 f"({args.cuda_graph_warmup_steps + 2}): the graphs' warm-up and capture steps are not timed")
+    if args.alternate_baseline:
+        if args.system != "offload" or not offload_modules(args):
+            p.error("--alternate-baseline compares this library's offloading with none in one process: it needs "
+                    "--system offload and --offload-modules")
+        if args.cuda_graph_impl != "none":
+            p.error("--alternate-baseline cannot suspend groups captured in CUDA graphs (their replays copy as "
+                    "captured): use --cuda-graph-impl none, or compare two runs")
+        if args.steps - args.warmup_steps < 2:
+            p.error(f"--alternate-baseline needs at least 2 measured steps (--steps {args.steps}, --warmup-steps "
+                    f"{args.warmup_steps})")
     try:  # the offload flags, before any process group or model exists
         if megatron_offload.Options.from_args(args).auto:
             megatron_plan.check_auto(argparse.Namespace(**config_kwargs(args)))
@@ -450,28 +468,32 @@ def run(args: argparse.Namespace) -> dict:
     interleaved = args.vpp > 1 or args.interleaved
 
     losses, times = [], []
+    baseline_times, peaks = [], {True: 0, False: 0}  # peaks: offloading on / suspended
     setup_bytes = torch.cuda.memory_allocated() if cuda else 0
     for step in range(args.steps):
         if graphs is not None and step == args.cuda_graph_warmup_steps:
             graphs.create_cudagraphs()
-        if step == args.warmup_steps and cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+        measured = step >= args.warmup_steps
+        offloading = not (args.alternate_baseline and measured and (args.steps - 1 - step) % 2)
         batches = step_batches(args, step)
         data = [iter(batches) for _ in chunks] if interleaved else iter(batches)
         if cuda:
             torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=False)
-        out = forward_backward(
-            forward_step_func=forward_step, data_iterator=data,
-            model=chunks if interleaved else chunks[0], num_microbatches=args.microbatches,
-            seq_length=args.seq, micro_batch_size=args.micro_batch_size, forward_only=False,
-        )
+        with contextlib.nullcontext() if offloading else offload.suspended():
+            out = forward_backward(
+                forward_step_func=forward_step, data_iterator=data,
+                model=chunks if interleaved else chunks[0], num_microbatches=args.microbatches,
+                seq_length=args.seq, micro_batch_size=args.micro_batch_size, forward_only=False,
+            )
         optimizer.step()
         if cuda:
             torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
+        (times if offloading else baseline_times).append((time.perf_counter() - start) * 1e3)
+        if cuda and measured:
+            peaks[offloading] = max(peaks[offloading], torch.cuda.max_memory_allocated())
         losses.append([d["lm loss"].item() for d in out] if out else [])
     pools = graph_pool_bytes(cuda)
     if graphs is not None and graphs.graphs_created():
@@ -492,10 +514,14 @@ def run(args: argparse.Namespace) -> dict:
         "microbatch_losses": losses if is_last else None,
         "param_sha256": sha.hexdigest(),
         "memory_after_setup_bytes": setup_bytes,
-        "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+        "peak_memory_bytes": peaks[True] if cuda else None,
         "graph_pool_bytes": pools,
         "step_time_ms": times,
         "median_step_time_ms": statistics.median(times[args.warmup_steps:] or times),
+        "alternate_baseline": None if not args.alternate_baseline else {
+            "step_time_ms": baseline_times, "median_step_time_ms": statistics.median(baseline_times),
+            "peak_memory_bytes": peaks[False] if cuda else None,
+        },
         "offload": stats_summary(handle.last_stats),
         "offload_mapping": handle.mapping,
         "offload_plan": None if handle.plan is None else handle.plan.as_dict(),
@@ -555,6 +581,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[megatron_gpt] ok={ok} model={args.model} system={args.system} pp={args.pp} vpp={args.vpp} "
               f"offload={summary['offload_modules'] or '-'} graphs={summary['cuda_graph']} peak GiB per rank: {peaks}; "
               f"median step ms: {times}; last loss: {step_losses[-1] if step_losses else None}", flush=True)
+        for r in ranks if args.alternate_baseline and ok else ():
+            alt = r.get("alternate_baseline") or {}
+            print(f"[megatron_gpt] rank {r.get('rank')}: the alternate steps without offloading: median step ms "
+                  f"{alt.get('median_step_time_ms', float('nan')):.1f}, peak GiB "
+                  f"{(alt.get('peak_memory_bytes') or 0) / 2**30:.2f}", flush=True)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return 0 if ok else 1

@@ -20,7 +20,8 @@ See ``docs/design.md`` for how the engine works.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping, Sequence
+import contextlib
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -67,6 +68,7 @@ __all__ = [
     "presets",
     "reset",
     "set_schedule",
+    "suspended",
 ]
 
 
@@ -173,6 +175,20 @@ def set_schedule(order: Sequence[int] | None) -> None:
 def end_iteration() -> IterationStats:
     """Close the training iteration and return its statistics."""
     return PipelineOffloadManager.get().end_iteration()
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """Open no offload group inside the block: the tensors autograd saves there stay on the GPU,
+    as without offloading. For a step that must not offload, or the baseline of a step-time
+    comparison made in one process (``examples/megatron_gpt.py --alternate-baseline``). Groups
+    already open go on, and groups captured in CUDA graphs copy as captured when replayed."""
+    manager = PipelineOffloadManager.get()
+    manager.suspended += 1
+    try:
+        yield
+    finally:
+        manager.suspended -= 1
 
 
 def reset(release_pool: bool = False) -> None:

@@ -7,8 +7,9 @@ its first iterations and says so once, with the numbers and what to offload inst
 The rule. ``end_iteration()`` calls are counted. After `WARMUP` (2) of them (pinned
 allocations, kernel autotuning, the forward's end not yet known), the next `MEASURED` (3)
 iterations are measured: 0-based iterations 2, 3 and 4 when nothing disturbs them. An
-iteration in which a group closed under CUDA graph capture, or in which `reset()` aborted a
-step, is not measured; the next one is measured in its place. Once three are measured and
+iteration in which a group closed under CUDA graph capture, in which `reset()` aborted a
+step, or in which no group closed (a step under `offload.suspended`), is not measured; the
+next one is measured in its place. Once three are measured and
 their events are done (queried at each ``end_iteration()``, never waited for: usually at once
 or one iteration later), the notice is said if the compute stream waited for copies
 (``offload_wait_ms`` + ``reload_wait_ms`` of every name) more than `THRESHOLD` (2%) of the
@@ -275,7 +276,8 @@ class CopyWaitProbe:
         if len(self._measured) < MEASURED and self._ends >= WARMUP and not self.streams.is_capturing():
             end = self.streams.event(timing=True)
             end.record(self.streams.current())
-        if self.recording and not self._spoilt and self._last_end is not None and end is not None:
+        closed = any(mark[1] is not None for mark in self._marks)  # a step without groups tells nothing
+        if self.recording and closed and not self._spoilt and self._last_end is not None and end is not None:
             self._measured.append(_Measured(stats.iteration, self._last_end, end, self._marks))
             for name, s in stats.by_name.items():
                 self._totals[name] = GroupStats.sum([self._totals.get(name, GroupStats()), s])

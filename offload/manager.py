@@ -84,7 +84,7 @@ class PipelineOffloadManager:
         self.declared_names: set[str] = set()
         self._names_checked = False
         self.hook_calls = 0  # saved-tensor hook calls, ever (a graph replay makes none)
-        self.suspended = 0  # > 0: no group opens (a graph API's own warm-up, after offload.graphs' one)
+        self.suspended = 0  # > 0: no group opens (`offload.suspended`, a graph API's own warm-up)
 
     # ------------------------------------------------------------------ framework entry points
     def begin_chunk(self, chunk_id: int = 0, microbatch: int | None = None) -> None:

@@ -158,16 +158,21 @@ class FakeStreams:
 
 def run_probe(probe: CopyWaitProbe, streams: FakeStreams, iterations: int, layer_ms: float = 4.0,
               wait_ms: float = 2.0, capture_in: Sequence[int] = (), abort_in: Sequence[int] = (),
-              done_after: int = 0) -> list[bool]:
+              suspended_in: Sequence[int] = (), done_after: int = 0) -> list[bool]:
     """Drive ``probe`` for ``iterations``: each closes two groups of ``fc1`` one layer apart
     (with a wait of ``wait_ms`` between them) and ends with 20 ms of compute; groups close
     under capture in the iterations ``capture_in``, `reset()` aborts those in ``abort_in``
-    (after the first group); the GPU reaches the events only from iteration ``done_after`` on.
+    (after the first group), and no group opens in those in ``suspended_in`` (`offload.suspended`: only
+    compute); the GPU reaches the events only from iteration ``done_after`` on.
     Returns what each end_iteration() said (done or not)."""
     handler, said = object(), []
     for it in range(iterations):
         streams.done = it >= done_after
         capture = object() if it in capture_in else None
+        if it in suspended_in:
+            streams.now += 28.0
+            said.append(probe.end_iteration(IterationStats(iteration=it, by_name={})))
+            continue
         for layer in range(2):
             if probe.recording:
                 probe.note_close(SimpleNamespace(capture=capture, stream="compute", handler=handler, name="fc1",
@@ -222,6 +227,15 @@ def test_probe_skips_iterations_captured_and_those_after_a_reset(fresh_notices):
     assert "measured in iterations 3, 5, 6;" in probe.notice
 
 
+def test_probe_skips_iterations_in_which_no_group_closed(fresh_notices):
+    """Steps run under `offload.suspended` (``examples/megatron_gpt.py --alternate-baseline``
+    alternates them with offloading steps) have nothing to measure: averaged in, they would
+    hide the waits of the others."""
+    probe, done, _ = measured(iterations=9, suspended_in=(2, 4, 6))
+    assert done == [False] * 7 + [True] * 2
+    assert "measured in iterations 3, 5, 7;" in probe.notice and "of the 26.0 ms step" in probe.notice
+
+
 def test_probe_does_not_record_while_the_stream_captures():
     streams = FakeStreams()
     probe = CopyWaitProbe(streams)
@@ -261,9 +275,12 @@ def test_copies_are_timed_in_the_probes_iterations_or_always_with_timing(configu
     cuda = FakeStreams()
     for timing, expected in ((False, [False, False, True, True, True, False, False]), (True, [True] * 7)):
         stats = StatsRecorder.for_engine(cuda, OffloadConfig(modules="fc1", timing=timing))
-        seen = []
+        seen, handler = [], object()
         for _ in range(7):
             seen.append(stats.timing)
+            if stats.probe is not None and stats.probe.recording:  # a group closed (else: not measured)
+                stats.probe.note_close(SimpleNamespace(capture=None, stream="compute", handler=handler, name="fc1",
+                                                       layer=0))
             stats.collect(len(seen) - 1, PinnedHostPool(pin=False))
             cuda.now += 10.0
         assert seen == expected, timing

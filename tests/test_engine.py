@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import numpy
@@ -455,6 +456,30 @@ def test_disabled_name_runs_untouched(configure):
         z = (y * 2).sin()
     z.sum().backward()
     assert offload.end_iteration().by_name == {}
+
+
+def test_suspended_steps_open_no_group_and_offloading_resumes_after(configure):
+    """`offload.suspended` (an A/B step-time baseline in one process): inside it no group opens
+    and nothing moves; after it, and after an exception inside it, the names offload again."""
+    model = build_gpt(64, 4, 3)
+    ref_model = copy.deepcopy(model)
+    configure(["core_attn"])
+    offload.attach(model, GPT_MAPPING)
+    for it, suspend in enumerate([True, False, True, False]):
+        x, g = seeded_pair(it, 16, 2, 64)
+        _, ref = train_step(ref_model, x, g)
+        with offload.suspended() if suspend else contextlib.nullcontext():
+            _, got = train_step(model, x, g)
+        assert first_difference(ref, got) is None
+        stats = offload.end_iteration().by_name.get("core_attn")
+        if suspend:
+            assert stats is None or (stats.groups, stats.bytes_offloaded) == (0, 0)
+        else:
+            assert (stats.groups, stats.groups_offloaded) == (3, 2) and stats.bytes_offloaded > 0
+    with pytest.raises(RuntimeError, match="inside"):
+        with offload.suspended(), offload.suspended():
+            raise RuntimeError("inside")
+    assert offload.get_manager().suspended == 0
 
 
 def test_begin_chunk_numbers_microbatches(configure):

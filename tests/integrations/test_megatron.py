@@ -451,6 +451,20 @@ def test_example_pipelined_on_two_processes_is_bitwise_equal(tmp_path, argv, nam
             assert rank["offload"]["by_name"][name]["bytes_offloaded"] > 0, (rank["rank"], name)
 
 
+def test_example_alternate_baseline_suspends_every_other_measured_step(tmp_path):
+    """``--alternate-baseline``: measured steps alternate between offloading and none, ending with
+    one that offloads; both kinds of step train exactly as without the flag, and each is timed."""
+    argv = ["--model", "gpt", "--pp", "2", "--vpp", "1", "--steps", "5"]
+    ref = _run_example(tmp_path, "ref", 2, argv)
+    got = _run_example(tmp_path, "alt", 2, [*argv, "--offload-modules=core_attn", "--alternate-baseline"])
+    assert ref["ok"] and got["ok"]
+    assert ref["loss_hex"] == got["loss_hex"] and len(ref["loss_hex"]) == 5
+    assert ref["param_sha256"] == got["param_sha256"]
+    for rank in got["per_rank"]:  # warm-up step 0, then steps 1 and 3 without offloading, 2 and 4 with
+        assert len(rank["step_time_ms"]) == 3 and len(rank["alternate_baseline"]["step_time_ms"]) == 2
+        assert rank["offload"]["by_name"]["core_attn"]["bytes_offloaded"] > 0  # the last step offloaded
+
+
 def test_sequential_expert_fc1_is_one_group_per_layer_and_copies_all_routed_tokens(mg):
     """Each expert's fc1 saves a slice of the routed tokens; the layer's expert_fc1 group copies
     every slice once the experts are done, and nothing of the activations or fc2s."""

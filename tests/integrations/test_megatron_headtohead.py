@@ -204,6 +204,19 @@ def test_example_flags_that_need_transformer_engine_say_so(example, capsys):
         assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--offload-modules=core_attn", "--system", "megatron"], "it needs --system offload and --offload-modules"),
+    ([], "it needs --system offload and --offload-modules"),
+    (["--offload-modules=core_attn", "--device", "cuda", "--cuda-graph-impl", "transformer_engine",
+      "--warmup-steps", "5"], "cannot suspend groups captured in CUDA graphs"),
+    (["--offload-modules=core_attn", "--steps", "3", "--warmup-steps", "2"], "needs at least 2 measured steps"),
+], ids=["megatron", "no-names", "graphs", "one-step"])
+def test_example_alternate_baseline_is_refused_where_it_cannot_compare(example, capsys, argv, message):
+    with pytest.raises(SystemExit):
+        example.parse_args(["--device", "cpu", *argv, "--alternate-baseline"])
+    assert message in capsys.readouterr().err
+
+
 def test_example_config_for_megatrons_own_offloading_fp8_recompute_and_graphs(example):
     args = example.parse_args(["--model", "dsv3_proxy", "--transformer-impl", "local", "--device", "cpu",
                                "--offload-modules=expert_fc1,moe_act", "--recompute-granularity", "full"])
