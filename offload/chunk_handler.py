@@ -75,6 +75,7 @@ class ChunkOffloadHandler:
         self.groups: list[OffloadGroup] = []
         self.last_of_name: dict[str, OffloadGroup] = {}
         self.pending: dict[str, OffloadGroup] = {}
+        self.last_closed: OffloadGroup | None = None  # the group that closed last in this forward
         self._by_storage: dict[int, list[TensorRecord]] = {}  # storage address -> its records
         self.alive = 0
         self.graphable = False  # a group ran inside an `offload.graphs.region`: keep nothing
@@ -120,6 +121,7 @@ class ChunkOffloadHandler:
         previous = self.pending.pop(group.name, None)
         group.advance(GroupState.PENDING)
         self.pending[group.name] = group
+        self.last_closed = group
         return previous
 
     def take_pending(self) -> list[OffloadGroup]:
@@ -232,6 +234,7 @@ class ChunkOffloadHandler:
         self.invocations.clear()
         self.last_of_name.clear()
         self.pending.clear()
+        self.last_closed = None
         self._by_storage.clear()
         if self.phase is not HandlerPhase.RETIRED:
             self.advance(HandlerPhase.RETIRED)

@@ -9,12 +9,17 @@ kept on the GPU when the next thing the engine sees is that chunk's own backward
 it would copy it out and straight back), offloaded when anything else comes first: another
 chunk's forward, another chunk's backward, or the end of the iteration.
 
-The forward's end. A group is offloaded when the next group of its name closes, so when a
-chunk's last group closes, the one before it has only just been launched; left in flight it
-would hold its memory through the forward's end, where the step's memory peaks. So the
-lifecycle remembers, from each chunk's previous forward, which group is the last of each name
-(`is_last_of_name`): when it closes, the compute stream waits for the copies in flight and
-their memory is freed. The first iteration cannot know it.
+The forward's end. A group is known not to be the last of its name when the next group of
+its name closes; its copies are issued at the group open after that (Note [7] of
+`offload.copy_queue`), so the copies of a chunk's second-to-last layer run under its last
+layer, within the in-flight bound as everywhere else. Whatever is still in flight when the forward's last group closes would hold
+its memory through the forward's end, where the step's memory peaks. So the lifecycle
+remembers, from each chunk's previous forward, which group closed last (`closes_forward`):
+when it closes, the compute stream waits for the copies in flight and their memory is freed.
+One wait per forward: a wait at the last group of each name would stall the compute stream on
+the copies of every name's second-to-last group as soon as each is issued, with no compute
+left to hide them. The first forward of a chunk cannot know its last group: its copies are
+waited for when its backward starts (or by the in-flight bound).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ class ChunkLifecycle:
         self.stats = stats
         self.forward: ChunkOffloadHandler | None = None  # the chunk forward in progress
         self._idle: list[ChunkOffloadHandler] = []  # handlers whose handles are all freed
-        self._last_layers: dict[tuple[int, str], int] = {}  # (chunk, name) -> last group's layer
+        self._closed_last: dict[int, tuple[str, int]] = {}  # chunk -> (name, layer) of its forward's last group
 
     def start(self, chunk_id: int, microbatch: int | None, session: Any) -> ChunkOffloadHandler:
         """A new chunk forward: number it, make its handler and queue it in backward order.
@@ -68,8 +73,8 @@ class ChunkLifecycle:
             return []
         if not keep:
             self.copies.launch_deferred(bound=False)
-        for name, group in handler.last_of_name.items():
-            self._last_layers[handler.chunk_id, name] = group.layer
+        if handler.last_closed is not None:
+            self._closed_last[handler.chunk_id] = (handler.last_closed.name, handler.last_closed.layer)
         pending = self.hand_over_forward()
         if keep:
             self.keep(pending)
@@ -96,9 +101,9 @@ class ChunkLifecycle:
             group.advance(GroupState.KEPT)
             self.stats[group.name].groups_kept += 1
 
-    def is_last_of_name(self, group: OffloadGroup) -> bool:
-        """Whether ``group`` was the last of its name in its chunk's previous forward."""
-        return self._last_layers.get((group.handler.chunk_id, group.name)) == group.layer
+    def closes_forward(self, group: OffloadGroup) -> bool:
+        """Whether ``group`` is the one that closed last in its chunk's previous forward."""
+        return self._closed_last.get(group.handler.chunk_id) == (group.name, group.layer)
 
     def begin_backward(self, handler: ChunkOffloadHandler) -> None:
         """The first backward activity of ``handler``. If its forward was the last thing that
@@ -143,5 +148,5 @@ class ChunkLifecycle:
             self.retire(handler)
         self.order.reset()
         self._idle.clear()
-        self._last_layers.clear()
+        self._closed_last.clear()
         self.forward = None

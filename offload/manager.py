@@ -221,7 +221,7 @@ class PipelineOffloadManager:
         previous = group.handler.close_group(group)
         if previous is not None:
             self.copies.defer(previous)  # issued at the next group's open: Note [7] of offload.copy_queue
-        if group.capture is None and self.chunks.is_last_of_name(group):
+        if group.capture is None and self.chunks.closes_forward(group):
             self.copies.flush()  # the forward's end: see offload.chunk_lifecycle
         self.copies.poll()
 

@@ -115,8 +115,8 @@ def test_peak_memory_falls_by_the_offloaded_bytes(configure, modules, share):
     backward follows its forward (the last layer is kept, so it is not counted as offloaded).
 
     One name (``core_attn``): 95%. The group before the last one used to be in flight at the
-    forward's end, the peak: 86% removed. The engine now frees it when the last group of the
-    name closes (learned from the previous step); 100% on the H100.
+    forward's end, the peak: 86% removed. The engine now frees it when the forward's last
+    group closes (learned from the previous step); 100% on the H100.
     Every name: 90%. With all eight names offloaded the peak moves into backward, where each
     name's next group is already reloaded (prefetched) while the current layer's backward runs
     with its own transients: `python tools/memory_timeline.py --hidden 1024 --layers 8 --seq 4096

@@ -552,16 +552,29 @@ def test_copies_in_pieces_keep_gradients_bitwise(configure, chunk_bytes):
 
 
 @pytest.mark.parametrize("modules", [["core_attn"], list(GPT_MAPPING)])
-def test_last_group_of_a_name_frees_the_copies_in_flight(configure, modules):
-    """When a chunk's last group of a name closes (learned from the chunk's previous forward),
+def test_the_forwards_last_group_frees_the_copies_in_flight(configure, modules):
+    """When a chunk's forward's last group closes (learned from the chunk's previous forward),
     nothing offloaded is still in flight: the forward ends, and backward starts, with the
-    memory of every offloaded group freed. The first forward cannot know which is last."""
+    memory of every offloaded group freed. Only there: at the last group of an earlier name
+    the copies go on under the in-flight bound, as in every other layer (waiting there would
+    expose the copy of that name's second-to-last group). The first forward cannot know
+    which group is last."""
     model = build_gpt(32, 4, 4)
     ref_model = copy.deepcopy(model)
     manager = configure(modules)  # the CPU fallback's copies run only when waited for
     offload.attach(model, GPT_MAPPING)
+    close_group = manager.close_group
+    copies_after_close = {}  # group label -> labels deferred or in flight right after it closed
+
+    def watched_close(group, name):
+        close_group(group, name)
+        if group is not None:
+            copies_after_close[group.label] = [g.label for g in (*manager.copies.deferred, *manager.copies.inflight)]
+
+    manager.close_group = watched_close
     in_flight_at_forward_end = []
     for it in range(3):
+        copies_after_close.clear()
         x, g = seeded_pair(it, 8, 2, 32)
         model.zero_grad(set_to_none=False)
         xx = x.detach().requires_grad_(True)
@@ -574,6 +587,9 @@ def test_last_group_of_a_name_frees_the_copies_in_flight(configure, modules):
         assert first_difference(ref, got) is None
         stats = offload.end_iteration()
         assert stats.total().groups_kept == len(modules)
+        if it > 0 and len(modules) > 1:  # attn_norm's last group is not the forward's last
+            assert copies_after_close["attn_norm/L3/mb0"], "the last group of a name waited for the copies"
+            assert copies_after_close["fc2/L3/mb0"] == []
     assert in_flight_at_forward_end[0]  # the first forward: the group before the last one
     assert in_flight_at_forward_end[1:] == [[], []]
     assert manager.live_handlers == []

@@ -274,20 +274,35 @@ CASES = [((), ("core_attn", "attn_proj")), (("layers",), ("layers",)),
 
 @pytest.mark.parametrize("checkpointed, offloaded", CASES, ids=[describe(search.Assignment(*c)) for c in CASES])
 def test_model_equals_the_engine_and_what_the_checkpointed_step_saves(gpt, configure, checkpointed, offloaded):
-    """The bytes the engine offloads under a plan are the model's, name by name; and the storages
-    a step with those regions checkpointed saves (recorded without offloading) are the model's
-    kept storages, byte for byte: the checkpoint transform is exact on this model."""
+    """The bytes the engine offloads under a plan are the model's, name by name, and so are the
+    bytes it holds in flight when it flushes at the forward's last group (the CPU fallback's
+    copies finish only when waited for: the host is ahead, as the model assumes); and the
+    storages a step with those regions checkpointed saves (recorded without offloading) are the
+    model's kept storages, byte for byte: the checkpoint transform is exact on this model."""
     model, step, containers, prof = gpt
     m = Model(prof, Bandwidth.constant(10.0))
     applied = Applied(model, GPT_MAPPING, containers, checkpointed, offloaded, 1, {"min_tensor_bytes": 0, "device": "cpu"})
+    copies = offload.get_manager().copies
+    flushed = []  # per flush: the bytes it waited for
+
+    def flush() -> None:
+        groups = [*copies.inflight, *copies.deferred]
+        type(copies).flush(copies)
+        flushed.append(sum(rec.nbytes for g in groups for rec in g.records if rec.host is not None))
+
+    copies.flush = flush
     try:
         for _ in range(2):
+            flushed.clear()
             step()
             stats = offload.end_iteration()
     finally:
         applied.remove()
+    predicted = m.predict(offload=offloaded, checkpoint=checkpointed)
     got = {n: s.bytes_offloaded for n, s in stats.by_name.items() if s.bytes_offloaded}
-    assert got == m.predict(offload=offloaded, checkpoint=checkpointed).offloaded_by_name
+    assert got == predicted.offloaded_by_name
+    # the second step knows its forward's last group: one flush there, one (empty) at the backward's start
+    assert flushed == [predicted.flush_bytes, 0] and predicted.flush_bytes > 0
 
     where = region_modules(model, GPT_MAPPING, containers)
     undo = checkpoint_modules(model, [qn for r in checkpointed for qn in where[r]])
@@ -439,7 +454,8 @@ def test_recompute_beats_offloading_on_a_slow_link(gpt):
 def test_selective_checkpoint_when_recomputing_the_cheap_module_is_enough(gpt):
     """A small saving on a slow link: the MLP checkpointed keeping fc1, so that its recompute
     runs only the activation (fc2 is not run again either way); without selective
-    checkpointing the best plan for the same budget costs more than twice as much."""
+    checkpointing the best plan for the same budget offloads three names and costs more
+    (0.57 against 0.40 ms: the wait for fc1's second-to-last copy at the forward's end)."""
     prof = gpu_like(gpt[3])
     m = Model(prof, Bandwidth.constant(0.01))
     assert search.selective_variants(m, "mlp") == [(), ("fc1",), ("fc1", "mlp_act")]
@@ -448,7 +464,8 @@ def test_selective_checkpoint_when_recomputing_the_cheap_module_is_enough(gpt):
     assert a == search.Assignment(checkpoint=("mlp",), selective=("fc1",)) and p.peak_bytes <= budget
     assert p.recompute_ms == pytest.approx(4 * FWD_MS["mlp_act"])
     full, q = search.choose(m, budget, selective=False)
-    assert not full.selective and q.cost_ms > 2 * p.cost_ms
+    assert not full.selective and full.offload == ("attn_norm", "qkv_linear", "fc1")
+    assert q.cost_ms > 1.4 * p.cost_ms
     rows = {r["unit"]: r for r in search.explain(m, a, p)}
     assert rows["fc1"]["choice"] == "saved in mlp" and rows["mlp_act"]["choice"] == "in mlp"
     assert describe(a) == "checkpoint mlp (keeping fc1)"
@@ -482,7 +499,7 @@ def test_local_search_finds_the_exhaustive_choice(gpt, monkeypatch):
             monkeypatch.setattr(search, "EXHAUSTIVE_MAX", 0)
             _, local = search.choose(m, budget)
             monkeypatch.undo()
-            assert search.rank(local, budget)[:2] == search.rank(exhaustive, budget)[:2], (gbps, frac)
+            assert search.rank(local, budget)[:3] == search.rank(exhaustive, budget)[:3], (gbps, frac)
 
 
 # ------------------------------------------------------------------ the check and the re-plan

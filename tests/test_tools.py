@@ -143,18 +143,25 @@ def test_offloaded_bytes_follow_the_engine_rules():
     assert both.offloaded_by_name == {"a": 8_000_000, "b": 2_000_000}  # shared storages owned by b
     # one copy stream, in issue order: a:0 (issued at b:1's open, 1.25 to 5.25), b:0 (at a:2's
     # open, queued behind it: 5.25 to 6.25); with max_inflight_groups=1, issuing b:0 waits for
-    # a:0 (4.0 to 5.25). The flush at a:2's close (6.5) issues a:1 (6.25 to 10.25) and waits for
-    # it (3.75); the one at b:2's close (10.375) issues b:1 (10.25 to 11.25) and waits 0.875.
-    # Held at the first flush: b:0 and a:1, 5 MB, less c:2's 0.1 MB.
-    assert both.forward_wait_by_name == {"a": pytest.approx(1.25 + 3.75), "b": pytest.approx(0.875)}
+    # a:0 (4.0 to 5.25). a:2 is not the forward's last group: no flush at its close (6.5), and
+    # a:1 is issued at b:2's open (6.25 to 10.25), where b:0 is already done. The flush is at
+    # b:2's close (6.625), the forward's last group: it issues b:1 (10.25 to 11.25) and waits
+    # for a:1 (3.625) and b:1 (1.0). Held then: a:1 and b:1, 5 MB, less c:2's 0.1 MB.
+    assert both.forward_wait_by_name == {"a": pytest.approx(1.25 + 3.625), "b": pytest.approx(1.0)}
     assert both.inflight_bytes == 4_900_000 and both.freed_at_peak == 5_100_000
     assert both.backward_exposed_ms == pytest.approx(2 * (5 - 4)) and both.cost_ms == pytest.approx(9.075)
-    # two groups in flight: issuing b:0 waits for nothing; the first flush then holds a:0 as
-    # well (9 MB) and waits for b:0 (1.0) and a:1 (4.0)
+    # two groups in flight: issuing b:0 waits for nothing, issuing a:1 waits for a:0 (done at
+    # 5.25, the clock); the flush holds b:0 as well (6 MB) and waits for b:0 (0.875), a:1 (4.0)
+    # and b:1 (1.0)
     two = m.predict(offload=["a", "b"], max_inflight_groups=2)
-    assert two.inflight_bytes == 8_900_000 and two.freed_at_peak == 1_100_000
-    assert two.forward_wait_by_name == {"a": pytest.approx(4.0), "b": pytest.approx(1.0 + 0.875)}
+    assert two.inflight_bytes == 5_900_000 and two.freed_at_peak == 4_100_000
+    assert two.forward_wait_by_name == {"a": pytest.approx(4.0), "b": pytest.approx(0.875 + 1.0)}
     assert two.cost_ms == pytest.approx(9.075)
+    # the flush is at the forward's last offloaded group, so offloading c (whose group closes
+    # last) moves it after b:2 and c:2: a:1's copy (issued at c:2's open, 6.625) waits 2.1 ms
+    # there instead of 4.0 at a:2's close
+    ac = m.predict(offload=["a", "c"])
+    assert ac.forward_wait_by_name == {"a": pytest.approx(1.25 + 2.1), "c": pytest.approx(0.1)}
     rec = m.predict(recompute=["b"])
     assert rec.recomputed_bytes == 750_000 and rec.recompute_ms == pytest.approx(0.3)
     assert m.predict(offload=["b"]).offloaded_bytes == 0
@@ -178,16 +185,18 @@ def test_verdicts_and_budget_search():
     best, fits = search(m, 95_000_000, allow_recompute=True)
     assert fits and best.recompute == ["a"] and best.offload == [] and best.cost_ms == pytest.approx(3.0)
     # offloading only: a alone frees its 8 MB (nothing in flight reaches the peak) for 5.2 ms;
-    # a and c free 8.2 MB for 5.5 ms, a and b 10 MB for 9.075 ms
+    # a and c free 8.2 MB for 4.85 ms (the flush moves to c:2's close: a:1's copy waits 1.9 ms
+    # less, c's copies cost 0.1 ms of waiting, 0.2 of reloads and 0 of slowdown more), a and b
+    # 10 MB for 9.075 ms
     best, fits = search(m, 95_000_000, allow_recompute=False)
-    assert fits and best.offload == ["a"] and best.cost_ms == pytest.approx(5.2)
-    assert best.freed_at_peak == 8_000_000
+    assert fits and best.offload == ["a", "c"] and best.cost_ms == pytest.approx(4.85)
+    assert best.freed_at_peak == 8_200_000
     best, fits = search(m, 50_000_000, allow_recompute=False)
     assert not fits and best.offload == ["a", "b", "c"]  # the most memory it can free
     out = advise(buffered_profile(), Bandwidth.constant(1.0, 0.1), budget=95_000_000)
     assert out["free"] == ["c"] and out["free_flags"] == "--offload-modules=c"
     assert out["budget"]["flags"] == "--recompute-modules=a"
-    assert out["budget_offload_only"]["flags"] == "--offload-modules=a"
+    assert out["budget_offload_only"]["flags"] == "--offload-modules=a,c"
     # without backward buffers the peak is the first flush, where a's groups are in flight:
     # offloading frees almost nothing there, and c nothing at all
     bare = Model(synthetic_profile(), Bandwidth.constant(1.0, compute_slowdown=0.1))
@@ -218,14 +227,22 @@ def test_free_set_is_free_together_and_keeps_one_group_in_flight():
     # with max_inflight_groups=1 the copy waited for at each issue ended long before. Free.
     one = m.predict(offload=["x", "y"])
     assert m.copy_fraction(one) == pytest.approx(0.5) and one.forward_wait_ms == 0 and one.cost_ms == 0
-    # two groups in flight buy no time and hold one more group at the first flush
+    # the flush, at y:3's close (the forward's last group), holds x:2 (issued at y:3's open) and
+    # y:2 (deferred at that close); nothing is saved after it and the profile has no backward
+    # buffers, so both count at the peak. Two groups in flight buy no time and hold one more.
+    assert one.inflight_bytes == 1_000_000
     two = m.predict(offload=["x", "y"], max_inflight_groups=2)
     assert two.cost_ms == 0 and two.inflight_bytes == one.inflight_bytes + 500_000
+    # z moves nothing; offloading it would only move the flush after z:3, where x:2 and y:2
+    # are done: never advised (Prediction.idle_offloads)
+    xyz = m.predict(offload=["x", "y", "z"])
+    assert xyz.idle_offloads == ["z"] and xyz.inflight_bytes == 500_000
     out = advise(two_close_names_profile(), Bandwidth.constant(1.0))
     assert [r["verdict"] for r in out["modules"]] == ["free", "free", "nothing"]
     assert out["free"] == ["x", "y"] and out["free_max_inflight_groups"] == 1
     assert out["free_flags"] == "--offload-modules=x,y"
-    assert out["free_prediction"]["cost_pct"] <= 2 and out["free_prediction"]["freed_at_peak"] == 2_500_000
+    assert out["free_prediction"]["cost_pct"] <= 2 and out["free_prediction"]["freed_at_peak"] == 2_000_000
+    assert search(m, 8_500_000, allow_recompute=False)[0].offload == ["x", "y"]  # not x, y, z (8.5 MB too)
     from offload.tools.advise import render
 
     assert "max_inflight_groups" not in render(out)

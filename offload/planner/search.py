@@ -122,11 +122,13 @@ def units(model: Model, checkpoint: tuple[str, ...]) -> list[str]:
 
 
 def rank(pred: Prediction, budget: int) -> tuple:
-    """Sort key of a prediction against the budget (module docstring): smaller is better."""
+    """Sort key of a prediction against the budget (module docstring): smaller is better; an
+    assignment that offloads a unit moving no bytes after every other (`Prediction.idle_offloads`)."""
     moved = len(pred.offload) + len(pred.checkpoint) + len(pred.selective)
+    idle = bool(pred.idle_offloads)
     if pred.peak_bytes is not None and pred.peak_bytes <= budget:
-        return (0, round(pred.cost_ms, 2), moved, -pred.freed_at_peak)
-    return (1, -pred.freed_at_peak, round(pred.cost_ms, 2), moved)
+        return (idle, 0, round(pred.cost_ms, 2), moved, -pred.freed_at_peak)
+    return (idle, 1, -pred.freed_at_peak, round(pred.cost_ms, 2), moved)
 
 
 def _best_for(model: Model, checkpoint: tuple[str, ...], offload: Iterable[str], key: Callable,

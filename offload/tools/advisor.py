@@ -8,12 +8,12 @@ The model, on the profile's saved storages (`offload.tools.profile_modules`):
   (a module that is not offloaded still holds it otherwise); it belongs to the last instance
   that saved it, and the last instance of each name is kept (its backward comes right after
   its forward).
-* **At the peak** the groups the engine still holds in flight at a flush (the close of the
-  last instance of an offloaded name, where the compute stream waits for every copy) count by
+* **At the peak** the groups the engine still holds in flight at the flush (the close of the
+  forward's last offloaded group, where the compute stream waits for every copy) count by
   what they outweigh of what comes after that point: the bytes the rest of the forward saves
   and the backward's first buffers (the profile's peak less the memory allocated at the
-  forward's end); the largest such excess over the flushes. The host is taken to be ahead of
-  the GPU, so no copy is released before the engine waits for it.
+  forward's end). The host is taken to be ahead of the GPU, so no copy is released before the
+  engine waits for it.
 * **Recomputed bytes**: recomputing a name drops the storages created inside its instances
   (outputs and internals) that anything saved, for every instance but the last one (whose
   recompute runs at the start of backward). Its inputs stay. A storage both recomputed and
@@ -46,7 +46,7 @@ The model, on the profile's saved storages (`offload.tools.profile_modules`):
   `offload.copy_queue`); issued early by the host, it starts on the GPU as soon as its group
   closed, after the copies issued before it (one device-to-host stream). At an issue, with
   ``max_inflight_groups=m``, the compute stream waits for the copy ``m`` issues back; at the close
-  of the last instance of an offloaded name (the engine's flush) it waits for every copy. Those
+  of the forward's last offloaded group (the engine's flush) it waits for every copy. Those
   waits are the forward's exposed time (``forward_wait_ms``).
 * **Backward time**: the reloads of one layer run one after another behind that layer's
   backward; what exceeds it is exposed (``backward_exposed_ms``).
@@ -107,6 +107,7 @@ class Prediction:
     forward_wait_by_name: dict[str, float] = field(default_factory=dict)
     # memory, bytes per step
     offloaded_bytes: int = 0
+    flush_bytes: int = 0  # in flight or decided, not yet waited for, when the forward's last group closes
     inflight_bytes: int = 0
     recomputed_bytes: int = 0  # net: less what selective checkpointing holds that nothing held before
     freed_at_peak: int = 0
@@ -124,6 +125,13 @@ class Prediction:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def idle_offloads(self) -> list[str]:
+        """The offloaded names or regions that move no bytes. Enabling one changes nothing but
+        where the engine's flush falls (the close of the forward's last group), so the searches
+        never choose one."""
+        return [u for u in self.offload if not self.offloaded_by_name.get(u)]
 
 
 @dataclass
@@ -245,8 +253,8 @@ class Model:
                          inflight: int) -> tuple[dict[str, float], list[tuple[int, int]]]:
         """The engine's forward schedule for the groups of ``units`` (module docstring): the
         compute stream's waits for device-to-host copies, in ms per name of the group waited
-        for; and for each flush, the bytes held in flight just before it and its position in
-        ``close_order``."""
+        for; and for the flush (none without groups), the bytes held in flight just before it
+        and its position in ``close_order``."""
         waits: dict[str, float] = {}
         opens: dict[int, list[Label]] = {}
         closes: dict[int, list[Label]] = {}
@@ -261,6 +269,7 @@ class Model:
         deferred: list[Label] = []
         pending: deque[tuple[float, Label]] = deque()  # (copy end, group), issue order
         flushes: list[tuple[int, int]] = []
+        last_close = max(closes, default=-1)  # the forward's last group closes there
 
         def wait_for(end: float, group: Label) -> None:
             nonlocal t
@@ -285,11 +294,11 @@ class Model:
                 ready[(unit, i)] = t
                 if (unit, i - 1) in by_group:
                     deferred.append((unit, i - 1))
-                if self.is_last(unit, i):  # the forward's end for this name: a flush
-                    flushes.append((sum(by_group[g] for _, g in pending) + sum(by_group[g] for g in deferred), k))
-                    issue()
-                    while pending:
-                        wait_for(*pending.popleft())
+            if k == last_close:  # the forward's end: the flush
+                flushes.append((sum(by_group[g] for _, g in pending) + sum(by_group[g] for g in deferred), k))
+                issue()
+                while pending:
+                    wait_for(*pending.popleft())
         return waits, flushes
 
     def _saved_after(self, rows: list[Row], position: int) -> int:
@@ -477,6 +486,7 @@ class Model:
         waits, flushes = self.forward_schedule(by_group, off, max_inflight_groups)
         pred.forward_wait_by_name = waits
         pred.forward_wait_ms = sum(waits.values())
+        pred.flush_bytes = sum(held for held, _ in flushes)
         # what a flush frees counts at the peak only by what it holds beyond what comes after it
         # (the rest of the forward, the backward's first buffers)
         pred.inflight_bytes = max([0] + [held - self._saved_after(rows, at) - self.backward_buffers
@@ -568,7 +578,7 @@ def free_set(model: Model, headroom: float = DEFAULT_HEADROOM,
                 continue
             gain = p.freed_at_peak - best.freed_at_peak
             extra = p.d2h_ms_per_layer - best.d2h_ms_per_layer
-            if gain > 0:
+            if gain > 0 and not p.idle_offloads:
                 options.append((gain, gain / max(extra, 1e-9), -len(options), n, p))
         if not options:
             return best
@@ -589,7 +599,7 @@ def search(model: Model, budget: int, allow_recompute: bool) -> tuple[Prediction
 
     def key(p: Prediction) -> tuple:
         fits = p.peak_bytes is not None and p.peak_bytes <= budget
-        return (0, p.cost_ms, -p.freed_at_peak) if fits else (1, -p.freed_at_peak, p.cost_ms)
+        return (bool(p.idle_offloads), *((0, p.cost_ms, -p.freed_at_peak) if fits else (1, -p.freed_at_peak, p.cost_ms)))
 
     if len(names) <= EXHAUSTIVE_MAX_NAMES:
         best = min((evaluate(dict(zip(names, combo))) for combo in itertools.product(choices, repeat=len(names))),
@@ -597,7 +607,7 @@ def search(model: Model, budget: int, allow_recompute: bool) -> tuple[Prediction
     else:  # greedy: repeatedly take the change that frees the most per ms of cost
         assign = {n: "keep" for n in names}
         best = evaluate(assign)
-        while key(best)[0] == 1:
+        while key(best)[1] == 1:
             options = []
             for n in names:
                 for c in choices:
