@@ -75,7 +75,6 @@ class ChunkOffloadHandler:
         self.groups: list[OffloadGroup] = []
         self.last_of_name: dict[str, OffloadGroup] = {}
         self.pending: dict[str, OffloadGroup] = {}
-        self.last_closed: OffloadGroup | None = None  # the group that closed last in this forward
         self._by_storage: dict[int, list[TensorRecord]] = {}  # storage address -> its records
         self.alive = 0
         self.graphable = False  # a group ran inside an `offload.graphs.region`: keep nothing
@@ -121,8 +120,13 @@ class ChunkOffloadHandler:
         previous = self.pending.pop(group.name, None)
         group.advance(GroupState.PENDING)
         self.pending[group.name] = group
-        self.last_closed = group
         return previous
+
+    @property
+    def last_closed(self) -> OffloadGroup | None:
+        """The group that closed last in this forward, while its last groups are undecided:
+        `close_group` re-inserts each closing group at the end of ``pending``."""
+        return next(reversed(self.pending.values()), None)
 
     def take_pending(self) -> list[OffloadGroup]:
         """The groups still waiting for the last-layer decision, which is now being made."""
@@ -234,7 +238,6 @@ class ChunkOffloadHandler:
         self.invocations.clear()
         self.last_of_name.clear()
         self.pending.clear()
-        self.last_closed = None
         self._by_storage.clear()
         if self.phase is not HandlerPhase.RETIRED:
             self.advance(HandlerPhase.RETIRED)

@@ -250,10 +250,10 @@ class Model:
         return self.instances[unit] if unit in self.instances else self.facts.instances[unit]
 
     def forward_schedule(self, by_group: dict[Label, int], units: Iterable[str],
-                         inflight: int) -> tuple[dict[str, float], list[tuple[int, int]]]:
+                         inflight: int) -> tuple[dict[str, float], tuple[int, int] | None]:
         """The engine's forward schedule for the groups of ``units`` (module docstring): the
         compute stream's waits for device-to-host copies, in ms per name of the group waited
-        for; and for the flush (none without groups), the bytes held in flight just before it
+        for; and the flush (``None`` without groups): the bytes held in flight just before it
         and its position in ``close_order``."""
         waits: dict[str, float] = {}
         opens: dict[int, list[Label]] = {}
@@ -268,7 +268,7 @@ class Model:
         ready: dict[Label, float] = {}
         deferred: list[Label] = []
         pending: deque[tuple[float, Label]] = deque()  # (copy end, group), issue order
-        flushes: list[tuple[int, int]] = []
+        flush: tuple[int, int] | None = None
         last_close = max(closes, default=-1)  # the forward's last group closes there
 
         def wait_for(end: float, group: Label) -> None:
@@ -295,11 +295,11 @@ class Model:
                 if (unit, i - 1) in by_group:
                     deferred.append((unit, i - 1))
             if k == last_close:  # the forward's end: the flush
-                flushes.append((sum(by_group[g] for _, g in pending) + sum(by_group[g] for g in deferred), k))
+                flush = (sum(by_group[g] for _, g in pending) + sum(by_group[g] for g in deferred), k)
                 issue()
                 while pending:
                     wait_for(*pending.popleft())
-        return waits, flushes
+        return waits, flush
 
     def _saved_after(self, rows: list[Row], position: int) -> int:
         """The bytes of ``rows`` first saved after the instance at ``position`` in ``close_order``
@@ -483,14 +483,15 @@ class Model:
         pred.offloaded_bytes = sum(by_group.values())
         for (n, _), b in by_group.items():
             pred.offloaded_by_name[n] = pred.offloaded_by_name.get(n, 0) + b
-        waits, flushes = self.forward_schedule(by_group, off, max_inflight_groups)
+        waits, flush = self.forward_schedule(by_group, off, max_inflight_groups)
         pred.forward_wait_by_name = waits
         pred.forward_wait_ms = sum(waits.values())
-        pred.flush_bytes = sum(held for held, _ in flushes)
-        # what a flush frees counts at the peak only by what it holds beyond what comes after it
-        # (the rest of the forward, the backward's first buffers)
-        pred.inflight_bytes = max([0] + [held - self._saved_after(rows, at) - self.backward_buffers
-                                         for held, at in flushes])
+        if flush is not None:
+            held, at = flush
+            pred.flush_bytes = held
+            # what the flush frees counts at the peak only by what it holds beyond what comes
+            # after it (the rest of the forward, the backward's first buffers)
+            pred.inflight_bytes = max(0, held - self._saved_after(rows, at) - self.backward_buffers)
         pred.freed_at_peak = pred.offloaded_bytes - pred.inflight_bytes + pred.recomputed_bytes
         peak = self.profile.get("peak_allocated")
         pred.peak_bytes = None if peak is None else peak - pred.freed_at_peak
@@ -597,9 +598,11 @@ def search(model: Model, budget: int, allow_recompute: bool) -> tuple[Prediction
         return model.predict([n for n in names if assign[n] == "offload"],
                              [n for n in names if assign[n] == "recompute"])
 
-    def key(p: Prediction) -> tuple:
-        fits = p.peak_bytes is not None and p.peak_bytes <= budget
-        return (bool(p.idle_offloads), *((0, p.cost_ms, -p.freed_at_peak) if fits else (1, -p.freed_at_peak, p.cost_ms)))
+    def key(p: Prediction) -> tuple:  # an assignment with an idle offload after every other
+        idle = bool(p.idle_offloads)
+        if p.peak_bytes is not None and p.peak_bytes <= budget:
+            return (idle, 0, p.cost_ms, -p.freed_at_peak)
+        return (idle, 1, -p.freed_at_peak, p.cost_ms)
 
     if len(names) <= EXHAUSTIVE_MAX_NAMES:
         best = min((evaluate(dict(zip(names, combo))) for combo in itertools.product(choices, repeat=len(names))),
