@@ -235,6 +235,39 @@ def test_reloads_go_to_the_backward_replays_of_the_graph_before(stack):
     assert manager.captures.backward_replays == {}
 
 
+def test_a_backward_graph_that_reloads_nothing_waits_on_no_replay(stack):
+    """Note [C4] in a pipeline order (TE's ``_order``): chain A's forward (regions 0, 1), chain
+    B's forward (region 2), A's backward, then B's. Region 2's groups are kept (a backward
+    capture followed its forward, Note [C1]), so its backward capture, though it follows
+    region 0's, reloads nothing and waits on no replay: were it registered as waiting on
+    region 0's backward replay, which then has nothing to copy and never counts an issue,
+    its replay would be refused as out of order (the GPU failure of
+    tests/test_te.py::test_graphed_layers_bitwise_equal_eager[vpp_1f1b-*])."""
+    model, ref, regions, manager = stack
+    x, keys = _warm_up_reported(stack)
+    xa, xb = x.detach().requires_grad_(True), x.detach().clone().requires_grad_(True)
+    _capturing(manager, Graph("fwd0"))
+    a = regions[0](xa)
+    _capturing(manager, Graph("fwd1"))
+    a = regions[1](a)
+    _capturing(manager, Graph("fwd2"))
+    b = regions[2](xb)
+    _capturing(manager, Graph("bwdA"))
+    a.backward(torch.ones_like(a))
+    _capturing(manager, Graph("bwdB"))
+    b.backward(torch.ones_like(b))
+    _capturing(manager, None)
+    first, second, third = manager.captures._graph_handlers
+    assert all(grp.state is GroupState.KEPT for grp in third.groups)
+    reloaded_by = manager.captures.reloaded_by
+    assert reloaded_by[keys[0]] is manager.captures.backward_replays[keys[1]]
+    assert reloaded_by[keys[0]].groups == list(reversed(first.groups))
+    assert keys[2] not in reloaded_by, "region 2's backward graph waits on no reload"
+    assert manager.captures.backward_replays[keys[0]].groups == []
+    offload.end_iteration()
+    offload.reset(release_pool=True)
+
+
 def test_replay_copies_copy_after_the_replay_and_record_their_event(configure):
     """`ReplayCopies.issue`: the D2H stream waits for what ran before, copies each span into
     its pinned buffer (late, on the CPU fallback: only once waited for) and records ``done``."""
