@@ -9,8 +9,8 @@ kept on the GPU when the next thing the engine sees is that chunk's own backward
 it would copy it out and straight back), offloaded when anything else comes first: another
 chunk's forward, another chunk's backward, or the end of the iteration.
 
-The forward's end. A group is known not to be the last of its name when the next group of
-its name closes; its copies are issued at the group open after that (Note [7] of
+The forward's end. A group is known not to be the last of its name when the next group of its
+name closes; its copies are issued at the group open after that (Note [7] of
 `offload.copy_queue`), so the copies of a chunk's second-to-last layer run under its last
 layer, within the in-flight bound as everywhere else. Whatever is still in flight when the
 forward's last group closes would hold its memory through the forward's end, where the step's
@@ -18,8 +18,8 @@ memory peaks. So the lifecycle remembers, from each chunk's previous forward, wh
 closed last (`closes_forward`): when it closes, the compute stream waits for the copies in
 flight and their memory is freed. One wait per forward: a wait at the last group of each name
 would stall the compute stream on the copies of every name's second-to-last group as soon as
-each is issued, with no compute left to hide them. The first forward of a chunk cannot know its last group: its copies are
-waited for when its backward starts (or by the in-flight bound).
+each is issued, with no compute left to hide them. The first forward of a chunk cannot know its
+last group: its copies are waited for when its backward starts (or by the in-flight bound).
 """
 
 from __future__ import annotations

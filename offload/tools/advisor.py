@@ -598,11 +598,12 @@ def search(model: Model, budget: int, allow_recompute: bool) -> tuple[Prediction
         return model.predict([n for n in names if assign[n] == "offload"],
                              [n for n in names if assign[n] == "recompute"])
 
+    def fits(p: Prediction) -> bool:
+        return p.peak_bytes is not None and p.peak_bytes <= budget
+
     def key(p: Prediction) -> tuple:  # an assignment with an idle offload after every other
         idle = bool(p.idle_offloads)
-        if p.peak_bytes is not None and p.peak_bytes <= budget:
-            return (idle, 0, p.cost_ms, -p.freed_at_peak)
-        return (idle, 1, -p.freed_at_peak, p.cost_ms)
+        return (idle, 0, p.cost_ms, -p.freed_at_peak) if fits(p) else (idle, 1, -p.freed_at_peak, p.cost_ms)
 
     if len(names) <= EXHAUSTIVE_MAX_NAMES:
         best = min((evaluate(dict(zip(names, combo))) for combo in itertools.product(choices, repeat=len(names))),
@@ -610,7 +611,7 @@ def search(model: Model, budget: int, allow_recompute: bool) -> tuple[Prediction
     else:  # greedy: repeatedly take the change that frees the most per ms of cost
         assign = {n: "keep" for n in names}
         best = evaluate(assign)
-        while key(best)[1] == 1:
+        while not fits(best):
             options = []
             for n in names:
                 for c in choices:
