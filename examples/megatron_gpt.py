@@ -36,6 +36,9 @@ runs whose ``loss_hex`` and ``param_sha256`` agree trained bitwise identically.
 ``--alternate-baseline`` alternates the measured steps between offloading and none
 (`offload.suspended`), ending with one that offloads, and reports both kinds' median step and
 peak (``alternate_baseline``): a comparison that drift between processes cannot bias.
+``--peak-trace DIR`` records the allocator's history over the last step (left out of the times
+and peaks) and writes what is live at its peak, by allocation site (`offload.tools.peak_live`):
+``python -m offload.tools.peak_live A/peak_rank0.json B/peak_rank0.json`` compares two runs.
 ``--deterministic`` (the default) makes a run reproducible, which such a comparison needs on a
 GPU (and sets ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` for Transformer Engine).
 
@@ -98,6 +101,8 @@ import offload  # noqa: E402
 from offload.errors import OffloadError  # noqa: E402
 from offload.integrations import megatron as megatron_offload  # noqa: E402
 from offload.integrations import megatron_plan  # noqa: E402
+from offload.tools import peak_live  # noqa: E402
+from offload.tools.report import write_json  # noqa: E402
 
 MLA_SIZES = dict(q_lora_rank=768, kv_lora_rank=256, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128)
 PRESETS = {
@@ -173,6 +178,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-deterministic", dest="deterministic", action="store_false")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", type=Path, default=None, help="write the results here (rank 0)")
+    p.add_argument("--peak-trace", type=Path, default=None, metavar="DIR",
+                   help="record the allocator's history over the last step (not timed) and write what is live "
+                        "at its peak, by allocation site, to DIR/peak_rank<R>.json (offload.tools.peak_live)")
     p.add_argument("--alternate-baseline", action="store_true",
                    help="measured steps alternate between offloading and none (offload.suspended), the last "
                         "one offloading: both step times and peaks come from this one process")
@@ -204,6 +212,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.steps - args.warmup_steps < 2:
             p.error(f"--alternate-baseline needs at least 2 measured steps (--steps {args.steps}, --warmup-steps "
                     f"{args.warmup_steps})")
+    if args.peak_trace is not None:
+        if args.device != "cuda":
+            p.error("--peak-trace records the CUDA allocator's history: it needs --device cuda")
+        if args.steps - args.warmup_steps < 2:
+            p.error(f"--peak-trace leaves its step out of the times: it needs at least 2 measured steps "
+                    f"(--steps {args.steps}, --warmup-steps {args.warmup_steps})")
     try:  # the offload flags, before any process group or model exists
         if megatron_offload.Options.from_args(args).auto:
             megatron_plan.check_auto(argparse.Namespace(**config_kwargs(args)))
@@ -474,6 +488,7 @@ def run(args: argparse.Namespace) -> dict:
         if graphs is not None and step == args.cuda_graph_warmup_steps:
             graphs.create_cudagraphs()
         measured = step >= args.warmup_steps
+        traced = args.peak_trace is not None and step == args.steps - 1
         offloading = not (args.alternate_baseline and measured and (args.steps - 1 - step) % 2)
         batches = step_batches(args, step)
         data = [iter(batches) for _ in chunks] if interleaved else iter(batches)
@@ -481,18 +496,24 @@ def run(args: argparse.Namespace) -> dict:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=False)
-        with contextlib.nullcontext() if offloading else offload.suspended():
-            out = forward_backward(
-                forward_step_func=forward_step, data_iterator=data,
-                model=chunks if interleaved else chunks[0], num_microbatches=args.microbatches,
-                seq_length=args.seq, micro_batch_size=args.micro_batch_size, forward_only=False,
-            )
-        optimizer.step()
+        with peak_live.record() if traced else contextlib.nullcontext() as recording:
+            optimizer.zero_grad(set_to_none=False)
+            with contextlib.nullcontext() if offloading else offload.suspended():
+                out = forward_backward(
+                    forward_step_func=forward_step, data_iterator=data,
+                    model=chunks if interleaved else chunks[0], num_microbatches=args.microbatches,
+                    seq_length=args.seq, micro_batch_size=args.micro_batch_size, forward_only=False,
+                )
+            optimizer.step()
         if cuda:
             torch.cuda.synchronize()
-        (times if offloading else baseline_times).append((time.perf_counter() - start) * 1e3)
-        if cuda and measured:
+        if traced:  # the recording slows the step: its time and peak are left out
+            summary = peak_live.summarize(recording["snapshot"], recording["start_bytes"],
+                                          torch.cuda.current_device())
+            write_json(args.peak_trace / f"peak_rank{rank}.json", {"command": sys.argv, **summary})
+        else:
+            (times if offloading else baseline_times).append((time.perf_counter() - start) * 1e3)
+        if cuda and measured and not traced:
             peaks[offloading] = max(peaks[offloading], torch.cuda.max_memory_allocated())
         losses.append([d["lm loss"].item() for d in out] if out else [])
     pools = graph_pool_bytes(cuda)
