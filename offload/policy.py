@@ -85,7 +85,12 @@ class TensorPolicy:
         frozen one, or FSDP2's unsharded parameters, fresh storages every step).
         A view made without autograd of an activation (``torch.split`` inside a custom
         Function's forward, as Transformer Engine's ``GroupedLinear`` saves its per-expert
-        inputs) reads as a leaf that requires grad, but its storage is the activation's."""
+        inputs) reads as a leaf that requires grad, but its storage is the activation's. A
+        custom Function's output that is a view of a buffer its forward allocated (TE's
+        ``GroupedLinear`` returns its output so) has that buffer, a leaf that does not require
+        grad, as its base: the output and views of it (the two halves of a GLU's input) are
+        activations too; only a view that is itself a leaf requiring grad, whose base is a
+        leaf, is refused (``buffer.view(...).requires_grad_()``)."""
         if storage_bytes < self.min_tensor_bytes:
             below = self.below_min
             below[0] += 1
@@ -96,7 +101,8 @@ class TensorPolicy:
         base = t._base
         if base is None:
             return not (t.requires_grad and t.is_leaf)
-        return not (base.is_leaf and (base.requires_grad or t.requires_grad) or isinstance(base, torch.nn.Parameter))
+        return not (base.is_leaf and (base.requires_grad or t.requires_grad and t.is_leaf)
+                    or isinstance(base, torch.nn.Parameter))
 
     def blocked(self, ptr: int) -> bool:
         """Whether the storage at address ``ptr`` is marked never-offload (or a parameter's)."""

@@ -67,6 +67,37 @@ def test_policy_admits_views_of_activations_made_without_autograd():
     assert p.admits(plain.view(4, 6)) and not p.admits(plain.view(4, 6).requires_grad_())
 
 
+def test_policy_admits_a_functions_output_that_views_its_own_buffer():
+    """A custom Function that writes its output into a buffer it allocates and returns a view
+    of it (TE's ``GroupedLinear``): the output's base is that buffer, a leaf that does not
+    require grad. The output and views of it (a GLU's halves) are activations and may leave;
+    a weight's view and a view made a leaf that requires grad stay."""
+
+    class Matmul(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            out = torch.empty(x.shape[0], w.shape[0])
+            torch.matmul(x, w.t(), out=out)
+            ctx.save_for_backward(x, w)
+            return out.view(-1, out.shape[-1])
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            return g @ w, g.t() @ x
+
+    p = _policy()
+    w = torch.nn.Parameter(torch.randn(6, 4))
+    y = Matmul.apply(torch.randn(8, 4, requires_grad=True) * 1, w)
+    glu, linear = torch.chunk(y, 2, dim=-1)
+    assert glu._base.is_leaf and not glu._base.requires_grad and not glu.is_leaf  # what autograd reports
+    assert p.admits(y) and p.admits(glu) and p.admits(linear)
+    assert not p.admits(w.t())
+    with torch.no_grad():
+        leaf_view = y._base.view(48)
+    assert p.admits(leaf_view) and not p.admits(leaf_view.requires_grad_())
+
+
 def test_policy_rejects_subclasses():
     class Sub(torch.Tensor):
         pass

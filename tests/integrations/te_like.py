@@ -83,14 +83,17 @@ class _TEGroupedLinear(torch.nn.Module):
 
 class _GroupedGemm(torch.autograd.Function):
     """TE's ``_GroupedLinear``: splits the input inside its forward (autograd off) and saves
-    the per-expert parts, views that read as leaves requiring grad."""
+    the per-expert parts, views that read as leaves requiring grad; writes the output into a
+    buffer it allocates and returns a view of it, whose base is that buffer, a leaf."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, m_splits: list[int], *weights: torch.Tensor) -> torch.Tensor:
         parts = torch.split(x, m_splits)
         ctx.m_splits = m_splits
         ctx.save_for_backward(*parts, *weights)
-        return torch.cat([p @ w.t() for p, w in zip(parts, weights)])
+        out = torch.empty(x.shape[0], weights[0].shape[0], dtype=x.dtype, device=x.device)
+        torch.cat([p @ w.t() for p, w in zip(parts, weights)], out=out)
+        return out.view(-1, out.shape[-1])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:

@@ -375,3 +375,20 @@ def test_names_for_megatrons_own_offloading(mg, te):
     with pytest.raises(OffloadError, match="would drop attn_norm silently"):
         mg.to_megatron_names("attn_norm,core_attn", found)
     assert mg.to_megatron_names("attn_norm,qkv_linear", found) == ["attn_norm", "qkv_linear"]
+
+
+def test_moe_act_offloads_the_grouped_fc1_output_a_glu_splits(mg, te):
+    """TE's ``GroupedLinear`` returns its output as a view of a buffer it allocated (a leaf
+    that does not require grad); a GLU saves the halves of it. They are the fc1 output, an
+    activation: ``moe_act`` moves them with the rest (the H200 peak trace of dsv3_proxy showed
+    7 of 8 layers' fc1 outputs left on the GPU when the policy refused them, docs/megatron.md)."""
+    import torch.nn.functional as F
+
+    make = lambda: te.build_te_like(moe=True, layers=3, gated_linear_unit=True, activation_func=F.silu)  # noqa: E731
+    handle = offload_and_compare(mg, make, "expert_fc1,moe_act")
+    s = handle.last_stats.by_name
+    per_column = s["expert_fc1"].bytes_offloaded // 32  # expert_fc1 saves the routed tokens: h = 32 columns
+    assert per_column > 0
+    # the fc1 output (2·f columns, f = 48) and what the activation saves (silu's output and the
+    # product the probabilities scale, f each): 4·f at least; without the fc1 output, 3·f
+    assert s["moe_act"].bytes_offloaded >= 4 * 48 * per_column
