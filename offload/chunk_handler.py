@@ -11,6 +11,9 @@ the first group after the previous handler's backward began). It
   closes, so the chunk's last group of each name is decided only when the engine sees what
   follows the chunk's forward (the last-layer rule);
 * deduplicates saved storages among its live records, with an index by storage address;
+* remembers the records left on the GPU because something else held them when their group's
+  copies were issued (``held``), for a second look when its forward is over (Note [8] of
+  `offload.copy_queue`);
 * gives back what it holds when autograd has freed all its handles (`retire`).
 
 Its phase moves FORWARD -> FORWARD_DONE -> BACKWARD, or FORWARD -> BACKWARD directly when the
@@ -76,6 +79,7 @@ class ChunkOffloadHandler:
         self.last_of_name: dict[str, OffloadGroup] = {}
         self.pending: dict[str, OffloadGroup] = {}
         self._by_storage: dict[int, list[TensorRecord]] = {}  # storage address -> its records
+        self.held: list[TensorRecord] = []  # not copied: held elsewhere then (Note [8] of offload.copy_queue)
         self.alive = 0
         self.graphable = False  # a group ran inside an `offload.graphs.region`: keep nothing
 
@@ -239,5 +243,6 @@ class ChunkOffloadHandler:
         self.last_of_name.clear()
         self.pending.clear()
         self._by_storage.clear()
+        self.held.clear()
         if self.phase is not HandlerPhase.RETIRED:
             self.advance(HandlerPhase.RETIRED)

@@ -66,12 +66,14 @@ class ChunkLifecycle:
         """The chunk forward in progress (if any) is over. Its last groups are kept on the GPU
         (``keep``: its own backward follows, or a capture boundary cuts the forward) or
         offloaded now; offloaded, their copies have just started, so the compute stream does
-        not wait for them here: the in-flight bound applies when the next group opens.
-        Returns the labels of those groups."""
+        not wait for them here: the in-flight bound applies when the next group opens. Not
+        kept, the records that were held elsewhere when their groups' copies were issued get a
+        second look (Note [8] of `offload.copy_queue`). Returns the labels of those groups."""
         handler = self.forward
         if handler is None:
             return []
         if not keep:
+            self.copies.offload_released(handler)  # Note [8] of offload.copy_queue
             self.copies.launch_deferred(bound=False)
         last = handler.last_closed
         if last is not None:

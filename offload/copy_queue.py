@@ -37,6 +37,18 @@ Note [7] When a group's copies are issued. A group that is not the last of its n
     host sync) would otherwise wait behind the whole group's copy, every layer. Issued at the
     open, the copy runs under the next group's compute instead.
 
+Note [8] A second look at the forward's end. A record whose storage something else holds
+    when its group's copies are issued stays on the GPU: copying it would free nothing. Often
+    the holder is the forward itself (Megatron's ``GPTModel.forward`` keeps the embedding's
+    output, the first layer's input, until it returns), so when a chunk's forward is over and
+    not its own backward comes next, those records are checked again (`offload_released`); the
+    ones now only ours are copied as a group's copies are, the group OFFLOADING again, or
+    still (its ``d2h_done`` becomes the new copies' event: the D2H stream runs in order, so it
+    follows the first copies too, for Notes [3] and [5]), and freed by the in-flight queue as
+    any other. Not when the chunk's own backward comes next: its first groups' backward is far
+    off, but the copy would end after the step's peak (the backward's start) and only add
+    traffic.
+
 The in-flight bound: at most ``max_inflight_groups`` groups may hold GPU memory while their
 copies run; past it the compute stream waits for the oldest (`apply_bound`), so the memory
 bound holds even when the host runs far ahead of the GPU. Groups a graph copies for an
@@ -47,12 +59,15 @@ end frees them, and a wait for them at its start would stall every replay.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import nvtx
 from .group import GroupState, OffloadGroup
 from .pinned_pool import PinnedHostPool
 from .stats import StatsRecorder
+
+if TYPE_CHECKING:
+    from .chunk_handler import ChunkOffloadHandler
 
 
 class CopyQueue:
@@ -88,6 +103,8 @@ class CopyQueue:
                 continue
             if not rec.copy_frees_memory(aliases(rec.ptr)):
                 shared += rec.nbytes
+                if not captured:
+                    group.handler.held.append(rec)  # Note [8]
                 continue
             rec.host = acquire(rec.nbytes, captured)
             if rec.host is not None:
@@ -110,6 +127,37 @@ class CopyQueue:
         self.stats.note_inflight(len(self.inflight))
         if bound:
             self._bound()
+
+    def offload_released(self, handler: "ChunkOffloadHandler") -> None:
+        """Note [8]: copy the records of ``handler``'s offloaded groups that something else held
+        when their copies were issued and that are now only ours; the others stay."""
+        held, handler.held = handler.held, []
+        todo_of: dict[int, tuple[OffloadGroup, list]] = {}
+        aliases = handler.live_aliases
+        for rec in held:
+            group = rec.group
+            if (group.state < GroupState.OFFLOADING or rec.src is None or rec.alive == 0
+                    or rec.host is not None or rec.dev is not None
+                    or not rec.copy_frees_memory(aliases(rec.ptr))):
+                continue
+            rec.note_version()
+            rec.host = self.pool.acquire(rec.nbytes, False)
+            if rec.host is not None:
+                todo_of.setdefault(id(group), (group, []))[1].append(rec)
+        for group, todo in todo_of.values():
+            if group.state is GroupState.OFFLOADED:
+                group.advance(GroupState.OFFLOADING)
+                self.inflight.append(group)
+            moved = sum(rec.nbytes for rec in todo)
+            stats = self.stats[group.name]
+            stats.bytes_held_elsewhere -= moved
+            stats.bytes_offloaded += moved
+            stats.tensors_offloaded += len(todo)
+            if group.d2h_done is None:  # nothing of it was copied before
+                stats.groups_offloaded += 1
+            self._issue(group, todo, False)
+        if todo_of:
+            self.stats.note_inflight(len(self.inflight))
 
     def _issue(self, group: OffloadGroup, todo: list, captured: bool) -> None:
         streams, d2h = self.streams, self.streams.d2h

@@ -5,7 +5,8 @@ per-layer state machine); `OffloadGroup.advance` is the only way to change its s
 it checks the state being left:
 
     OPEN ──close──▶ PENDING ──launch──▶ OFFLOADING ──release──▶ OFFLOADED
-                       │
+                       │                      ▲                        │
+                       │                      └──────second look───────┘
                        └──keep──▶ KEPT        (the chunk's backward came next)
 
 * OPEN: the module's forward runs; the pack hook adds tensors.
@@ -16,7 +17,10 @@ it checks the state being left:
 * OFFLOADING: device-to-host copies are queued on the D2H stream; the GPU tensors are still
   referenced, because their memory may be reused only after the copy read it.
 * OFFLOADED: the copies are done (an event query, or a GPU-side wait of the compute stream)
-  and the GPU references are dropped: the memory is free.
+  and the GPU references are dropped: the memory is free. Records that something else held
+  when the copies were issued are still on the GPU; if the holder let go by the time the
+  chunk's forward is over, they are copied then, and the group is OFFLOADING again, or still
+  (Note [8] of `offload.copy_queue`).
 
 The copies themselves, and the events that order them, are `offload.copy_queue`'s.
 Reloads are tracked per record (`TensorRecord.dev`): the same host copy can be reloaded
@@ -62,6 +66,7 @@ _NEXT_STATES = {  # state -> the states it may move to (the diagram above)
     GroupState.OPEN: {GroupState.PENDING},
     GroupState.PENDING: {GroupState.KEPT, GroupState.OFFLOADING},
     GroupState.OFFLOADING: {GroupState.OFFLOADED},
+    GroupState.OFFLOADED: {GroupState.OFFLOADING},  # the second look (Note [8] of offload.copy_queue)
 }
 
 

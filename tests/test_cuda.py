@@ -8,6 +8,7 @@ reference against itself.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import warnings
@@ -105,6 +106,48 @@ def test_pipeline_order_with_slow_copies(configure, monkeypatch):
         assert first_difference(ref, got) is None, f"iteration {it}"
         stats = offload.end_iteration()
         assert stats.total().groups_kept == 0 and stats.handlers == 3
+
+
+def test_an_input_held_by_the_forward_leaves_at_its_end(configure, monkeypatch):
+    """Note [8] of offload.copy_queue on the GPU, copies slowed: each microbatch's first input,
+    which the chunk's forward holds until it returns (as Megatron's ``GPTModel.forward`` holds
+    the embedding's output), is copied once another forward follows and its memory is gone
+    before its backward reaches the second group; gradients bitwise, iteration after iteration."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    def chunk(w, scale, freed):
+        x = w * scale
+        gone = StorageWeakRef(x.untyped_storage())
+        h = x
+        for i in range(3):
+            with offload.group("g", h) as h1:
+                h = (h1 @ h1.t()).tanh() @ h1  # the matmuls save their inputs: group 0 saves x
+            if i == 1 and freed is not None:
+                h.register_hook(lambda grad: freed.append(gone.expired()))
+        return h.float().pow(2).sum()
+
+    def step(w, offloading, freed=None):
+        w.grad = None
+        with contextlib.nullcontext() if offloading else offload.suspended():
+            losses = []
+            for mb in range(2):
+                offload.begin_chunk(0, mb)
+                losses.append(chunk(w, 1.0 + mb, freed))
+            for loss in losses:
+                loss.backward()
+        return w.grad.clone()
+
+    configure(["g"], min_tensor_bytes=1024, device="cuda")
+    slow_side_streams(monkeypatch)
+    for it in range(5):
+        torch.manual_seed(it)
+        w = torch.randn(512, 256, device="cuda", requires_grad=True)
+        ref = reproducible(lambda: step(w, False), grads=lambda g: {"w": g})
+        freed: list = []
+        got = step(w, True, freed)
+        assert torch.equal(got, ref), f"iteration {it}"
+        s = offload.end_iteration().by_name["g"]
+        assert freed == [True, True] and s.bytes_held_elsewhere == 0, f"iteration {it}: {freed}, {s}"
 
 
 @pytest.mark.parametrize(

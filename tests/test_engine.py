@@ -655,3 +655,112 @@ def test_retired_handlers_leave_no_reference_cycles(configure, flow):
     flows[flow]()  # warm-up: the pool's buffers, the engine's lasting objects
     assert cyclic_garbage(lambda: [flows[flow]() for _ in range(3)]) == {}
     assert offload.get_manager().live_handlers == []
+
+
+def _chunk_holding_its_input(w: torch.Tensor, scale: float, keep: list | None = None,
+                             freed: list | None = None) -> torch.Tensor:
+    """A chunk forward that holds its first group's input until it returns, as Megatron's
+    ``GPTModel.forward`` holds the embedding's output (``keep``: held past the return too);
+    returns the microbatch's loss. ``freed`` gets, when the backward reaches group 1, whether
+    that input's storage was gone by then."""
+    x = w * scale
+    if keep is not None:
+        keep.append(x)
+    gone = StorageWeakRef(x.untyped_storage())
+    h = x
+    for i in range(3):
+        with offload.group("g", h) as h1:
+            h = (h1 * h1).tanh()  # mul saves its input: group 0 saves x
+        if i == 1 and freed is not None:
+            h.register_hook(lambda grad: freed.append(gone.expired()))
+    return h.sum()
+
+
+def _forwards_then_backwards(configure, names: list[str], keep: list | None = None,
+                             freed: list | None = None) -> tuple[torch.Tensor, object]:
+    """Two microbatches' forwards before either backward, as a pipeline runs them; the
+    gradient and the statistics of ``g``."""
+    configure(names)
+    torch.manual_seed(0)
+    w = torch.randn(256, requires_grad=True)
+    losses = []
+    for mb in range(2):
+        offload.begin_chunk(0, mb)
+        losses.append(_chunk_holding_its_input(w, 1.0 + mb, keep, freed))
+    for loss in losses:
+        loss.backward()
+    return w.grad, offload.end_iteration().by_name.get("g")
+
+
+def test_a_tensor_held_until_the_forward_returns_is_copied_at_its_end(configure):
+    """Note [8] of offload.copy_queue: group 0's input is held by the chunk's forward when the
+    group's copies are issued (a layer later), so it stays; when the forward is over and another
+    forward follows, it is only ours, and it is copied then: nothing is left held elsewhere, it
+    is reloaded for its backward, and the gradient is the one without offloading. Its storage
+    is gone before the backward of each microbatch reaches group 1 (after the backward's start,
+    where the engine frees what it copied out)."""
+    freed: list = []
+    grad, s = _forwards_then_backwards(configure, ["g"], freed=freed)
+    ref, _ = _forwards_then_backwards(configure, [])
+    assert torch.equal(grad, ref)
+    assert freed == [True, True]
+    # per microbatch: x and the three tanh outputs (each owned by the group whose mul saves it next)
+    assert s.bytes_held_elsewhere == 0 and s.bytes_offloaded == 2 * 4 * 256 * 4, s
+    assert s.groups_offloaded == 2 * 3 and s.reloads_prefetched + s.reloads_on_demand == 2 * 3, s
+
+
+def test_the_second_look_adds_to_copies_still_in_flight(configure):
+    """When the forward is over, group 0's own copies (its matmuls' other inputs) may still be
+    in flight (the engine's first forward of a chunk does not wait for them at its end): the
+    held input's copy joins them, and the group is freed once all are done."""
+    configure(["g"], min_tensor_bytes=1024)
+    torch.manual_seed(0)
+    w = torch.randn(64, 32, requires_grad=True)
+    freed: list = []
+    losses = []
+    for mb in range(2):
+        offload.begin_chunk(0, mb)
+        x = w * (1.0 + mb)
+        gone = StorageWeakRef(x.untyped_storage())
+        h = x
+        for i in range(3):
+            with offload.group("g", h) as h1:
+                h = (h1 @ h1.t()).tanh() @ h1  # group 0 saves x and a tanh output of its own
+            if i == 1:
+                h.register_hook(lambda grad, gone=gone: freed.append(gone.expired()))
+        del x, h1
+        losses.append(h.pow(2).sum())
+    for loss in losses:
+        loss.backward()
+    grad = w.grad.clone()
+    s = offload.end_iteration().by_name["g"]
+    w.grad = None
+    for mb in range(2):
+        h = w * (1.0 + mb)
+        for _ in range(3):
+            h = (h @ h.t()).tanh() @ h
+        h.pow(2).sum().backward()
+    assert torch.equal(grad, w.grad)
+    assert freed == [True, True] and s.bytes_held_elsewhere == 0, (freed, s)
+
+
+def test_a_tensor_still_held_after_the_forward_stays(configure):
+    """Held past the forward's end (by the caller), the input stays on the GPU: the second look
+    copies nothing that would free nothing."""
+    keep: list = []
+    grad, s = _forwards_then_backwards(configure, ["g"], keep)
+    ref, _ = _forwards_then_backwards(configure, [], [])
+    assert torch.equal(grad, ref)
+    assert s.bytes_held_elsewhere == 2 * 256 * 4 and s.bytes_offloaded == 2 * 3 * 256 * 4, s
+
+
+def test_the_second_look_waits_for_another_forward(configure):
+    """A forward followed by its own backward leaves its input where it was: the copy would end
+    after the backward's start, the step's peak (Note [8])."""
+    configure(["g"])
+    w = torch.randn(256, requires_grad=True)
+    for mb in range(2):
+        offload.begin_chunk(0, mb)
+        _chunk_holding_its_input(w, 1.0 + mb).backward()
+    s = offload.end_iteration().by_name["g"]
+    assert s.bytes_held_elsewhere == 2 * 256 * 4 and s.groups_kept == 2, s
