@@ -490,3 +490,16 @@ def test_policy_flag_reaches_the_engine(mg):
     assert_bitwise(ref, train(model, handle.wrap(fb_no_pipelining()), steps=1))
     s = handle.last_stats.by_name["core_attn"]
     assert (s.groups_offloaded, s.groups_kept, s.groups_declined) == (2, 2, 2)
+
+
+def test_a_pipelines_first_stage_copies_the_embedding_output_once_its_forward_returns(tmp_path):
+    """``GPTModel.forward`` holds the embedding's output, the first layer's input, until it
+    returns, so ``attn_norm``'s first group finds it held elsewhere when its copies are issued;
+    in a pipeline another chunk's forward or backward follows, and the second look (Note [8] of
+    offload.copy_queue) copies it then: rank 0 leaves nothing held elsewhere (before it, the
+    embedding's output of all 8 microbatches per step; likewise with --vpp 1)."""
+    got = _run_example(tmp_path, "held", 2, ["--model", "gpt", "--pp", "2", "--vpp", "2", "--layers", "8",
+                                              "--offload-modules=attn_norm"])  # two layers a chunk
+    assert got["ok"]
+    first = next(r for r in got["per_rank"] if r["pp_rank"] == 0)["offload"]["by_name"]["attn_norm"]
+    assert first["bytes_offloaded"] > 0 and first["bytes_held_elsewhere"] == 0, first
