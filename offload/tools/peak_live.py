@@ -62,6 +62,33 @@ def record(max_entries: int = 2_000_000) -> Iterator[dict[str, Any]]:
         torch.cuda.memory._record_memory_history(enabled=None)
 
 
+def _replay(events: list[dict[str, Any]], start_bytes: int,
+            stop: int) -> tuple[dict[int, tuple[int, int]], int, int, int]:
+    """Replay ``events[:stop]``: the blocks allocated in the recording still live (address ->
+    (size, index of their allocation event)), the bytes of earlier blocks still live, and the
+    peak reached with the index of the event that reached it (-1: none above ``start_bytes``)."""
+    live: dict[int, tuple[int, int]] = {}
+    before = current = peak = start_bytes
+    peak_index = -1
+    for index in range(stop):
+        event = events[index]
+        action = event.get("action")
+        if action == "alloc":
+            live[event["addr"]] = (event["size"], index)
+            current += event["size"]
+            if current > peak:
+                peak, peak_index = current, index
+        elif action == "free_requested":
+            current -= event["size"]
+            if live.pop(event["addr"], None) is None:
+                before -= event["size"]
+                if before < 0:
+                    raise ValueError(f"event {index} frees a block the replay never saw, beyond the "
+                                     f"{start_bytes} bytes allocated when the recording began: the history "
+                                     "was cut (record fewer steps or raise max_entries)")
+    return live, before, peak, peak_index
+
+
 def summarize(snapshot: dict[str, Any], start_bytes: int, device: int = 0, top: int = 40) -> dict[str, Any]:
     """The peak of the recorded history on ``device`` and the live blocks there by allocation
     site (the ``top`` largest sites; the rest summed as ``(other sites)``).
@@ -71,31 +98,11 @@ def summarize(snapshot: dict[str, Any], start_bytes: int, device: int = 0, top: 
     events and drops the oldest, or ``start_bytes`` was read elsewhere)."""
     traces = snapshot.get("device_traces") or []
     events = traces[device] if device < len(traces) else []
-    live: dict[int, tuple[int, str]] = {}  # address -> (size, site) of blocks allocated in the recording
-    before = start_bytes
-    current = peak = start_bytes
-    peak_index = -1
-    peak_live: dict[int, tuple[int, str]] = {}
-    peak_before = before
-    for index, event in enumerate(events):
-        action = event.get("action")
-        if action == "alloc":
-            live[event["addr"]] = (event["size"], frame_site(event.get("frames") or []))
-            current += event["size"]
-            if current > peak:
-                peak, peak_index = current, index
-                peak_live, peak_before = dict(live), before
-        elif action == "free_requested":
-            current -= event["size"]
-            if live.pop(event["addr"], None) is None:
-                before -= event["size"]
-                if before < 0:
-                    raise ValueError(f"event {index} frees a block the replay never saw, beyond the "
-                                     f"{start_bytes} bytes allocated when the recording began: the history "
-                                     "was cut (record fewer steps or raise max_entries)")
+    _, _, peak, peak_index = _replay(events, start_bytes, len(events))  # where the peak is
+    peak_live, peak_before, _, _ = _replay(events, start_bytes, peak_index + 1)  # what is live there
     by_site: dict[str, list[int]] = {}
-    for size, site in peak_live.values():
-        entry = by_site.setdefault(site, [0, 0])
+    for size, index in peak_live.values():
+        entry = by_site.setdefault(frame_site(events[index].get("frames") or []), [0, 0])
         entry[0] += size
         entry[1] += 1
     if peak_before:
