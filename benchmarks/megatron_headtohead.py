@@ -21,6 +21,10 @@ Variants (FP8, pipeline parallelism) go through ``--extra`` and get a ``--tag``:
     python benchmarks/megatron_headtohead.py --tag pp2-vpp2 --extra "--pp 2 --vpp 2 --microbatches 8" \\
         --example "python -m torch.distributed.run --standalone --nproc-per-node 2 examples/megatron_gpt.py"
 
+Another set of names is a variant too (``--modules``, which needs a ``--tag``):
+
+    python benchmarks/megatron_headtohead.py --workloads dsv3_proxy --modules attn_norm,mlp_norm,moe_act --tag fit
+
 Workloads (`WORKLOADS`; the model presets are in examples/megatron_gpt.py, sized for one 80 GB
 H100, Transformer Engine layer spec, bf16):
 
@@ -52,7 +56,7 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,11 +155,18 @@ class Job:
 
 
 def build_jobs(workloads: list[Workload], systems: list[str], graphs: str = "all",
-               measured_steps: int = 20, extra: tuple[str, ...] = (), tag: str = "") -> list[Job]:
+               measured_steps: int = 20, extra: tuple[str, ...] = (), tag: str = "",
+               modules: str = "") -> list[Job]:
     """The jobs: each workload × system without graphs (``graphs`` ``all`` or ``none``), and with
-    each of the workload's graph modes (``all`` or ``only``)."""
+    each of the workload's graph modes (``all`` or ``only``). ``modules``, when given, replaces the
+    workloads' offloaded names; such a variant needs a ``tag``, so that its records do not take the
+    place of the workload's own."""
+    if modules and not tag:
+        raise ValueError("--modules offloads other names than the workload's: give the variant a --tag")
     jobs = []
     for w in workloads:
+        if modules:
+            w = replace(w, modules=modules)
         for system in systems:
             modes: list[tuple[str, str] | None] = [] if graphs == "only" else [None]
             if graphs != "none":
@@ -309,6 +320,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="all: without and with each workload's CUDA-graph modes; none: without; only: with")
     p.add_argument("--measured-steps", type=int, default=20, help="timed steps per run, after the warm-up")
     p.add_argument("--extra", default="", help="appended to every run's arguments (e.g. '--fp8 current')")
+    p.add_argument("--modules", default="",
+                   help="offload these names instead of the workload's (needs --tag), e.g. attn_norm,mlp_norm,moe_act")
     p.add_argument("--tag", default="", help="a variant's name: records say <workload>/<tag> (e.g. fp8-current)")
     p.add_argument("--example", default=f"{shlex.quote(sys.executable)} examples/megatron_gpt.py",
                    help="the command that runs the example (default: this Python)")
@@ -325,6 +338,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown += [s for s in args.systems.split(",") if s not in SYSTEMS]
     if unknown:
         p.error(f"unknown workload or system: {', '.join(unknown)}")
+    if args.modules and not args.tag:
+        p.error("--modules offloads other names than the workload's: give the variant a --tag")
     return args
 
 
@@ -346,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         write_outputs(args.out, [], markdown)
         return 0
     jobs = build_jobs([WORKLOADS[w] for w in args.workloads.split(",")], args.systems.split(","), args.graphs,
-                      args.measured_steps, tuple(shlex.split(args.extra)), args.tag)
+                      args.measured_steps, tuple(shlex.split(args.extra)), args.tag, args.modules)
     example = shlex.split(args.example)
     if args.list:
         for job in jobs:

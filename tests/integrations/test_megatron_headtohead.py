@@ -88,6 +88,21 @@ def test_job_commands_differ_only_in_offloading(h2h):
         dense.args("reference")
 
 
+def test_modules_replace_the_workloads_names_only_in_a_tagged_variant(h2h, capsys):
+    jobs = h2h.build_jobs([h2h.WORKLOADS["dsv3_proxy"]], ["offload", "megatron"], graphs="none",
+                          tag="fit", modules="attn_norm,mlp_norm,moe_act")
+    assert [j.key for j in jobs] == ["dsv3_proxy-fit-offload-none", "dsv3_proxy-fit-megatron-none"]
+    assert jobs[0].args("offload")[-1] == "--offload-modules=attn_norm,mlp_norm,moe_act"
+    assert not any(a.startswith("--offload-modules") for a in jobs[0].args("baseline"))
+    assert jobs[1].workload.module_list == ["attn_norm", "mlp_norm", "moe_act"]
+    assert h2h.WORKLOADS["dsv3_proxy"].modules == "attn_norm,mlp_norm,expert_fc1,moe_act"
+    with pytest.raises(ValueError, match="--tag"):
+        h2h.build_jobs([h2h.WORKLOADS["dsv3_proxy"]], ["offload"], modules="moe_act")
+    with pytest.raises(SystemExit):
+        h2h.main(["--list", "--workloads", "dsv3_proxy", "--modules", "moe_act"])
+    assert "give the variant a --tag" in capsys.readouterr().err
+
+
 def test_losses_compare_with_the_reference_where_the_baseline_differs(h2h):
     job = h2h.Job(h2h.WORKLOADS["moe_act_vs_full_recompute"], "offload")
     full, same = _run([["0x1.8p+1"]], 120.0, 9 << 30), _run([["0x1.4p+1"]], 100.0, 10 << 30)
