@@ -64,6 +64,7 @@ RECORD_FIELDS = ("workload", "system", "cuda_graph", "modules", "step_ms", "peak
                  "baseline_peak_bytes", "losses_bitwise", "device", "command")
 SYSTEMS = ("offload", "megatron")
 MARKERS = ("<!-- headtohead:begin -->", "<!-- headtohead:end -->")
+MODULES_NEED_A_TAG = "--modules offloads other names than the workload's: give the variant a --tag"
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ def build_jobs(workloads: list[Workload], systems: list[str], graphs: str = "all
     workloads' offloaded names; such a variant needs a ``tag``, so that its records do not take the
     place of the workload's own."""
     if modules and not tag:
-        raise ValueError("--modules offloads other names than the workload's: give the variant a --tag")
+        raise ValueError(MODULES_NEED_A_TAG)
     jobs = []
     for w in workloads:
         if modules:
@@ -338,9 +339,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown += [s for s in args.systems.split(",") if s not in SYSTEMS]
     if unknown:
         p.error(f"unknown workload or system: {', '.join(unknown)}")
-    if args.modules and not args.tag:
-        p.error("--modules offloads other names than the workload's: give the variant a --tag")
+    if args.modules:
+        if not args.tag:
+            p.error(MODULES_NEED_A_TAG)
+        refused = refused_modules(args.modules, args.systems.split(","))
+        if refused:
+            p.error(refused)
     return args
+
+
+def refused_modules(modules: str, systems: list[str]) -> str | None:
+    """Why ``modules`` cannot run, before any run starts: a name the integration does not have,
+    or (``megatron`` among ``systems``) one Megatron's own offloading does not share; else None."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from offload.config import check_known, parse_module_list
+    from offload.errors import OffloadError
+    from offload.integrations.megatron_names import AUTO, NAMES, to_megatron_names
+
+    try:
+        if "megatron" in systems:
+            to_megatron_names(modules)
+        else:
+            check_known(parse_module_list(modules), [*NAMES, AUTO], "--modules")
+    except OffloadError as exc:
+        return str(exc)
+    return None
 
 
 def write_outputs(out: Path, records: list[dict], markdown: Path | None) -> None:

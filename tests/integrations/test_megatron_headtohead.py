@@ -101,6 +101,15 @@ def test_modules_replace_the_workloads_names_only_in_a_tagged_variant(h2h, capsy
     with pytest.raises(SystemExit):
         h2h.main(["--list", "--workloads", "dsv3_proxy", "--modules", "moe_act"])
     assert "give the variant a --tag" in capsys.readouterr().err
+    for systems, bad, message in (("offload", "moe_actt", "moe_act"),  # a suggestion
+                                  ("offload,megatron", "moe_act,router", "has no router"),
+                                  ("megatron", "auto", "planner")):
+        with pytest.raises(SystemExit) as exit_:
+            h2h.main(["--list", "--workloads", "dsv3_proxy", "--systems", systems, "--modules", bad, "--tag", "x"])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert h2h.main(["--list", "--workloads", "dsv3_proxy", "--systems", "offload", "--modules", "auto",
+                     "--tag", "x"]) == 0
+    assert "--offload-modules=auto" in capsys.readouterr().out
 
 
 def test_losses_compare_with_the_reference_where_the_baseline_differs(h2h):
