@@ -95,7 +95,7 @@ class CopyQueue:
         group.advance(GroupState.OFFLOADING)
         captured = group.capture is not None
         todo = []
-        shared = queued = 0
+        shared = 0
         aliases, acquire = group.handler.live_aliases, self.pool.acquire
         for rec in group.records:
             rec.note_version()
@@ -109,15 +109,11 @@ class CopyQueue:
             rec.host = acquire(rec.nbytes, captured)
             if rec.host is not None:
                 todo.append(rec)
-                queued += rec.nbytes
-        stats = self.stats[group.name]
-        stats.bytes_held_elsewhere += shared
+        self.stats[group.name].bytes_held_elsewhere += shared
         if not todo:
             group.advance(GroupState.OFFLOADED)
             return
-        stats.groups_offloaded += 1
-        stats.bytes_offloaded += queued
-        stats.tensors_offloaded += len(todo)
+        self._count(group, todo, first=True)
         if replay is not None:
             group.d2h_done = replay.done
             replay.add(group, todo)
@@ -131,6 +127,8 @@ class CopyQueue:
     def offload_released(self, handler: "ChunkOffloadHandler") -> None:
         """Note [8]: copy the records of ``handler``'s offloaded groups that something else held
         when their copies were issued and that are now only ours; the others stay."""
+        if not handler.held:
+            return
         held, handler.held = handler.held, []
         todo_of: dict[int, tuple[OffloadGroup, list]] = {}
         aliases = handler.live_aliases
@@ -148,16 +146,18 @@ class CopyQueue:
             if group.state is GroupState.OFFLOADED:
                 group.advance(GroupState.OFFLOADING)
                 self.inflight.append(group)
-            moved = sum(rec.nbytes for rec in todo)
-            stats = self.stats[group.name]
-            stats.bytes_held_elsewhere -= moved
-            stats.bytes_offloaded += moved
-            stats.tensors_offloaded += len(todo)
-            if group.d2h_done is None:  # nothing of it was copied before
-                stats.groups_offloaded += 1
+            self.stats[group.name].bytes_held_elsewhere -= sum(rec.nbytes for rec in todo)
+            self._count(group, todo, first=group.d2h_done is None)  # None: nothing of it was copied before
             self._issue(group, todo, False)
         if todo_of:
             self.stats.note_inflight(len(self.inflight))
+
+    def _count(self, group: OffloadGroup, todo: list, first: bool) -> None:
+        """Count the copies about to be issued for ``group`` (``first``: the group's first)."""
+        stats = self.stats[group.name]
+        stats.groups_offloaded += first
+        stats.bytes_offloaded += sum(rec.nbytes for rec in todo)
+        stats.tensors_offloaded += len(todo)
 
     def _issue(self, group: OffloadGroup, todo: list, captured: bool) -> None:
         streams, d2h = self.streams, self.streams.d2h

@@ -28,17 +28,22 @@ BEFORE = "(before the recording)"
 NO_FRAME = "(no python frame)"
 
 
+def _frame(frame: dict[str, Any], short: bool = True) -> str:
+    """``path:line function``, the path from the package root (``megatron/...``), or with
+    ``short`` its last three parts where it is not under site-packages."""
+    filename = frame.get("filename", "")
+    path = filename.split("site-packages/")[-1]
+    if short and path == filename:
+        path = "/".join(filename.split("/")[-3:])
+    return f"{path}:{frame.get('line')} {frame.get('name')}"
+
+
 def frame_site(frames: list[dict[str, Any]]) -> str:
-    """``path:line function`` of the innermost frame outside ``torch`` (the path from the package
-    root: ``megatron/...``, ``transformer_engine/...``), or `NO_FRAME`."""
+    """The innermost frame outside ``torch`` (`_frame`), or `NO_FRAME`."""
     for frame in frames:
         filename = frame.get("filename", "")
-        if "/torch/" in filename or filename.startswith("<"):
-            continue
-        short = filename.split("site-packages/")[-1]
-        if short == filename:
-            short = "/".join(filename.split("/")[-3:])
-        return f"{short}:{frame.get('line')} {frame.get('name')}"
+        if "/torch/" not in filename and not filename.startswith("<"):
+            return _frame(frame)
     return NO_FRAME
 
 
@@ -125,8 +130,7 @@ def summarize(snapshot: dict[str, Any], start_bytes: int, device: int = 0, top: 
                              else round((at_peak.get("time_us", 0) - first_us) / (last_us - first_us), 4)),
         "peak_allocation": None if at_peak is None else {
             "size": at_peak["size"],
-            "stack": [f"{f.get('filename', '').split('site-packages/')[-1]}:{f.get('line')} {f.get('name')}"
-                      for f in (at_peak.get("frames") or [])[:25]],
+            "stack": [_frame(f, short=False) for f in (at_peak.get("frames") or [])[:25]],
         },
         "sites": sites,
     }
