@@ -16,8 +16,10 @@ from a fresh engine (``offload.reset(release_pool=True)``, then ``configure``). 
   fresh tensors (distinct storages of 64 bytes, ``min_tensor_bytes=0``), each packed while its
   group is open, then that forward's backward. Each ``_pack`` call is timed on its own.
 * ``unpack``: the same flow; the forward drops its own references, so the autograd handles are
-  the tensors' only holders, as in training. Each close offloads the previous group of the name
-  (on the CPU fallback a host copy), so at the forward's end every group but the last is
+  the tensors' only holders, as in training. Each close decides a group of the name: in the
+  chunk's first forward the one before it, later (the previous forward says which layer is
+  last) the closing one itself; its copies are issued at the next open (on the CPU fallback a
+  host copy, Note [7] of offload.copy_queue), so at the forward's end every group but the last is
   offloaded and the last one pending; the first unpack begins the chunk's backward, which keeps
   the last group (the last-layer rule). The handles are then unpacked layer by layer from the
   last, each ``_unpack`` call timed on its own: the kept group's calls take the resident path,
@@ -27,10 +29,11 @@ from a fresh engine (``offload.reset(release_pool=True)``, then ``configure``). 
 * ``group_open_close`` at ``records_per_handler`` R: a chunk forward first fills its handler with
   R records (groups named ``fill`` of 16 tensors each, untimed), then runs groups named ``timed``
   of 4 tensors each; only ``open_group`` + ``close_group`` of those are timed (their packs are
-  not). A close offloads the previous ``timed`` group and, past the in-flight bound, waits for
-  the copy before it; only such steady-state closes are counted (not a round's first two, nor
-  its last, which is the forward's end: it waits for every copy in flight). The timed groups of a round add at most R/8 records; then the iteration ends and a
-  new round refills a fresh handler.
+  not). A close decides a ``timed`` group (as above), an open issues its copies after waiting,
+  past the in-flight bound, for the copy before it; only such steady-state groups are counted
+  (not a round's first two, nor its last, which is the forward's end: it waits for every copy
+  in flight). The timed groups of a round add at most R/8 records; then the iteration ends and
+  a new round refills a fresh handler.
 * ``moe_step_host`` / ``moe_step_gpu`` (CUDA only): training steps of the MoE stacks of
   ``benchmarks/peers.py`` (bf16) with no offloading and with ``offload:core_attn``: host time
   is ``perf_counter`` around forward+backward with no synchronization inside it (the model's

@@ -7,13 +7,13 @@ the first group after the previous handler's backward began). It
 * numbers the invocations of each name (``core_attn/L0``, ``core_attn/L1``, ...) and links
   each offloaded group to the previous one of the same name, which is the group backward
   needs one layer later;
-* defers the offload of the newest group of each name until the next group of that name
-  closes, so the chunk's last group of each name is decided only when the engine sees what
-  follows the chunk's forward (the last-layer rule);
+* holds the newest group of each name (``pending``) until it is known not to be the last of
+  its name (Note [7] of `offload.copy_queue`), so the chunk's last group of each name is
+  decided only when the engine sees what follows the chunk's forward (the last-layer rule);
 * deduplicates saved storages among its live records, with an index by storage address;
 * remembers the records left on the GPU because something else held them when their group's
-  copies were issued (``held``), for a second look when its forward is over (Note [8] of
-  `offload.copy_queue`);
+  copies were issued (``held``), for a second look at later group opens and when its forward
+  is over (Note [8] of `offload.copy_queue`);
 * gives back what it holds when autograd has freed all its handles (`retire`).
 
 Its phase moves FORWARD -> FORWARD_DONE -> BACKWARD, or FORWARD -> BACKWARD directly when the
@@ -35,6 +35,7 @@ from .group_policy import GroupInfo
 
 if TYPE_CHECKING:
     from .copy_queue import CopyQueue
+    from .stats import StatsRecorder
 
 
 class HandlerPhase(enum.IntEnum):
@@ -64,6 +65,7 @@ class ChunkOffloadHandler:
         sort_key: tuple = (),
         capture: Any = None,
         on_idle: Callable[["ChunkOffloadHandler"], None] | None = None,
+        stats: "StatsRecorder | None" = None,
     ) -> None:
         self.chunk_id = chunk_id
         self.microbatch = microbatch
@@ -73,11 +75,13 @@ class ChunkOffloadHandler:
         self.sort_key = sort_key
         self.capture = capture  # the capture session this forward was captured in, if any
         self._on_idle = on_idle  # told when autograd has freed every handle of this handler
+        self._stats = stats  # where a held record taken over by a later group is uncounted (`_share`)
         self.phase = HandlerPhase.FORWARD
         self.invocations: dict[str, int] = {}
         self.groups: list[OffloadGroup] = []
         self.last_of_name: dict[str, OffloadGroup] = {}
         self.pending: dict[str, OffloadGroup] = {}
+        self.last_closed: OffloadGroup | None = None  # the group that closed last in this forward
         self._by_storage: dict[int, list[TensorRecord]] = {}  # storage address -> its records
         self.held: list[TensorRecord] = []  # not copied: held elsewhere then (Note [8] of offload.copy_queue)
         self.alive = 0
@@ -124,13 +128,8 @@ class ChunkOffloadHandler:
         previous = self.pending.pop(group.name, None)
         group.advance(GroupState.PENDING)
         self.pending[group.name] = group
+        self.last_closed = group
         return previous
-
-    @property
-    def last_closed(self) -> OffloadGroup | None:
-        """The group that closed last in this forward, while its last groups are undecided:
-        `close_group` re-inserts each closing group at the end of ``pending``."""
-        return next(reversed(self.pending.values()), None)
 
     def take_pending(self) -> list[OffloadGroup]:
         """The groups still waiting for the last-layer decision, which is now being made."""
@@ -182,13 +181,14 @@ class ChunkOffloadHandler:
                 count += 1
         return count
 
-    @staticmethod
-    def _share(rec: TensorRecord, group: OffloadGroup) -> None:
+    def _share(self, rec: TensorRecord, group: OffloadGroup) -> None:
         """``group`` saves a storage that an earlier group saved too. Backward needs it first
         for ``group``, so ``group`` decides its fate (offloaded with it, or kept with it) unless
-        the earlier group's copy already started; the other group reloads it as borrowed."""
+        the earlier group's copy of it already started; the other group reloads it as borrowed.
+        A record the earlier group left on the GPU because something else held it (``held``)
+        is ``group``'s to decide too: that holder was often ``group`` itself, its input."""
         owner = rec.group
-        if rec.host is None and owner.state <= GroupState.PENDING:
+        if rec.host is None and (owner.state <= GroupState.PENDING or self._unhold(rec)):
             owner.records.remove(rec)
             owner.borrowed.append(rec)
             if rec in group.borrowed:
@@ -197,6 +197,15 @@ class ChunkOffloadHandler:
             rec.group = group
         elif rec not in group.borrowed:
             group.borrowed.append(rec)
+
+    def _unhold(self, rec: TensorRecord) -> bool:
+        """Take ``rec`` out of ``held`` (and its bytes out of its name's count); whether it was there."""
+        if rec.src is None or rec.dev is not None or rec not in self.held:
+            return False
+        self.held.remove(rec)
+        if self._stats is not None:
+            self._stats[rec.group.name].bytes_held_elsewhere -= rec.nbytes
+        return True
 
     def handle_died(self) -> None:
         """One of our handles was freed by autograd (called from its ``__del__``: only count)."""
@@ -242,6 +251,7 @@ class ChunkOffloadHandler:
         self.invocations.clear()
         self.last_of_name.clear()
         self.pending.clear()
+        self.last_closed = None
         self._by_storage.clear()
         self.held.clear()
         if self.phase is not HandlerPhase.RETIRED:

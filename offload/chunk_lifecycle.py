@@ -9,17 +9,19 @@ kept on the GPU when the next thing the engine sees is that chunk's own backward
 it would copy it out and straight back), offloaded when anything else comes first: another
 chunk's forward, another chunk's backward, or the end of the iteration.
 
-The forward's end. A group is known not to be the last of its name when the next group of its
-name closes; its copies are issued at the group open after that (Note [7] of
-`offload.copy_queue`), so the copies of a chunk's second-to-last layer run under its last
-layer, within the in-flight bound as everywhere else. Whatever is still in flight when the
-forward's last group closes would hold its memory through the forward's end, where the step's
-memory peaks. So the lifecycle remembers, from each chunk's previous forward, which group
-closed last (`closes_forward`): when it closes, the compute stream waits for the copies in
-flight and their memory is freed. One wait per forward: a wait at the last group of each name
-would stall the compute stream on the copies of every name's second-to-last group as soon as
-each is issued, with no compute left to hide them. The first forward of a chunk cannot know its
-last group: its copies are waited for when its backward starts (or by the in-flight bound).
+The forward's end. The lifecycle remembers, from each chunk's previous forward, the layer of
+each name's last group (`known_not_last`): a group before it is decided when it closes, and its
+copies are issued at the next group open (Note [7] of `offload.copy_queue`), so the copies of a
+chunk's second-to-last layer run under its last layer, within the in-flight bound as everywhere
+else. (In a chunk's first forward a group is decided only when the next group of its name
+closes.) Whatever is still in flight when the forward's last group closes would hold its
+memory through the forward's end, where the step's memory peaks. So the lifecycle also
+remembers which group closed last (`closes_forward`): when it closes, the records held
+elsewhere get their second look, and the compute stream waits for the copies in flight and
+their memory is freed. One wait per forward: a wait at the last group of each name would stall
+the compute stream on the copies of every name's second-to-last group as soon as each is
+issued, with no compute left to hide them. The first forward of a chunk cannot know its last
+group: its copies are waited for when its backward starts (or by the in-flight bound).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class ChunkLifecycle:
         self.forward: ChunkOffloadHandler | None = None  # the chunk forward in progress
         self._idle: list[ChunkOffloadHandler] = []  # handlers whose handles are all freed
         self._closed_last: dict[int, tuple[str, int]] = {}  # chunk -> (name, layer) of its forward's last group
+        self._last_layers: dict[int, dict[str, int]] = {}  # chunk -> name -> its forward's last group's layer
 
     def start(self, chunk_id: int, microbatch: int | None, session: Any) -> ChunkOffloadHandler:
         """A new chunk forward: number it, make its handler and queue it in backward order.
@@ -51,12 +54,12 @@ class ChunkLifecycle:
         iteration = self.order.iteration
         if session is not None:
             handler = ChunkOffloadHandler(chunk_id, microbatch or 0, iteration, "captured", 1, (iteration, -1),
-                                          session, self._note_idle)
+                                          session, self._note_idle, self.stats)
             self.order.add_unordered(handler)
         else:
             slot = self.order.next_forward(chunk_id, microbatch)
             handler = ChunkOffloadHandler(chunk_id, slot.microbatch, iteration, slot.phase, slot.live,
-                                          slot.sort_key, None, self._note_idle)
+                                          slot.sort_key, None, self._note_idle, self.stats)
             self.order.add(handler)
         self.stats.handlers += 1
         self.forward = handler
@@ -78,6 +81,7 @@ class ChunkLifecycle:
         last = handler.last_closed
         if last is not None:
             self._closed_last[handler.chunk_id] = (last.name, last.layer)
+            self._last_layers[handler.chunk_id] = {name: g.layer for name, g in handler.last_of_name.items()}
         pending = self.hand_over_forward()
         if keep:
             self.keep(pending)
@@ -107,6 +111,11 @@ class ChunkLifecycle:
     def closes_forward(self, group: OffloadGroup) -> bool:
         """Whether ``group`` is the one that closed last in its chunk's previous forward."""
         return self._closed_last.get(group.handler.chunk_id) == (group.name, group.layer)
+
+    def known_not_last(self, group: OffloadGroup) -> bool:
+        """Whether ``group`` comes before its name's last group in its chunk's previous forward."""
+        layers = self._last_layers.get(group.handler.chunk_id)
+        return layers is not None and group.layer < layers.get(group.name, -1)
 
     def begin_backward(self, handler: ChunkOffloadHandler) -> None:
         """The first backward activity of ``handler``. If its forward was the last thing that
@@ -152,4 +161,5 @@ class ChunkLifecycle:
         self.order.reset()
         self._idle.clear()
         self._closed_last.clear()
+        self._last_layers.clear()
         self.forward = None

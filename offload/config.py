@@ -111,12 +111,14 @@ class OffloadConfig:
             Groups with other names run normally. A string is split at commas and spaces.
         min_tensor_bytes: saved tensors whose storage is smaller than this stay on the GPU (a
             small view of a large storage is offloaded: kept, it would keep all of it).
-        max_inflight_groups: at most this many groups may have device-to-host copies in flight
-            whose GPU memory is still held; past it the compute stream waits (on the GPU, never
-            the host) for the oldest copy, so the memory bound holds even when the host runs far
-            ahead of the GPU. A group's copy starts about a layer after its forward and, with 1,
-            must end before the next group's copy starts: when the host runs ahead of the GPU
-            that leaves the copy about a layer of compute. Raise it when the host is the
+        max_inflight_groups: at each group open, before that open issues the copies decided
+            since the last one, the compute stream waits (on the GPU, never the host) for the
+            oldest copies until at most this many groups have device-to-host copies in flight
+            whose GPU memory is still held, so the memory bound holds even when the host runs
+            far ahead of the GPU. A group's copies are issued at the group open after its own
+            close (Note [7] of `offload.copy_queue`) and, with 1, must end by the open after the
+            next one that issues copies: with one name, about a layer of compute; with several
+            names a layer, what runs between their groups. Raise it when the host is the
             bottleneck and several names are offloaded per layer (waits show up as
             ``offload_wait_ms``); each extra group in flight costs its bytes at the peak.
             The last groups of a chunk, whose copies start when the chunk's forward is over,

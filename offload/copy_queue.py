@@ -30,29 +30,44 @@ Note [6] A pinned buffer is written by a D2H copy only after the last H2D copy t
     before the capture began (buffers a graph owns never return to the pool): waiting on that
     event would invalidate the capture, and the synchronize before a capture orders it.
 
-Note [7] When a group's copies are issued. A group that is not the last of its name is known
-    when the next group of its name closes, but its copies are issued at the next group's open
+Note [7] When a group's copies are issued. A group is offloaded once it is known not to be the
+    last of its name in its chunk's forward: when it closes, if the chunk's previous forward had
+    a later group of its name (`ChunkLifecycle.known_not_last`); in a chunk's first forward,
+    when the next group of its name closes. Its copies are issued at the next group's open
     (`defer`, `launch_deferred`): a copy engine serves the copies queued on it in order, so a
     model's own small device-to-host copy between the two (an MoE router's ``.tolist()``, a
     host sync) would otherwise wait behind the whole group's copy, every layer. Issued at the
-    open, the copy runs under the next group's compute instead.
+    open, the copy runs under the next group's compute instead. Deciding at the group's own
+    close moves every copy a layer earlier: a copy runs under the next layer, and at the
+    forward's end only the second-to-last layer's copies are still to be waited for, not the
+    last two layers'. What the group saved and the next group saves too is the next group's
+    to decide (`ChunkOffloadHandler._share`), also when the first group's copies were already
+    issued without it because it was held elsewhere then (Note [8]): often the holder was the
+    next group's own input. The previous forward is a guess: where a group policy or the
+    model's control flow ends a name earlier this time, the group decided early was its last,
+    and it is offloaded even when the chunk's own backward comes next (copied out and straight
+    back: traffic, never a wrong value).
 
-Note [8] A second look at the forward's end. A record whose storage something else holds
-    when its group's copies are issued stays on the GPU: copying it would free nothing. Often
-    the holder is the forward itself (Megatron's ``GPTModel.forward`` keeps the embedding's
-    output, the first layer's input, until it returns), so when a chunk's forward is over and
-    not its own backward comes next, those records are checked again (`offload_released`); the
+Note [8] A second look. A record whose storage something else holds when its group's copies
+    are issued stays on the GPU: copying it would free nothing. Often the holder lets go soon
+    (the code that called the module keeps its input in a local until it returns, a residual
+    until the add), sometimes only at the forward's end (Megatron's ``GPTModel.forward`` keeps
+    the embedding's output, the first layer's input, until it returns). So those records are
+    checked again (`offload_released`) at every group open of their chunk's forward, when its
+    last group closes, and when the forward is over and not its own backward comes next; the
     ones now only ours are copied as a group's copies are, the group OFFLOADING again, or
     still (its ``d2h_done`` becomes the new copies' event: the D2H stream runs in order, so it
     follows the first copies too, for Notes [3] and [5]), and freed by the in-flight queue as
-    any other. Not when the chunk's own backward comes next: its first groups' backward is far
-    off, but the copy would end after the step's peak (the backward's start) and only add
-    traffic.
+    any other. Not after the forward when the chunk's own backward comes next: its first
+    groups' backward is far off, but the copy would end after the step's peak (the backward's
+    start) and only add traffic.
 
-The in-flight bound: at most ``max_inflight_groups`` groups may hold GPU memory while their
-copies run; past it the compute stream waits for the oldest (`apply_bound`), so the memory
-bound holds even when the host runs far ahead of the GPU. Groups a graph copies for an
-earlier graph (`carry_in`, Note [C1] of `offload.capture`) are outside the bound: the graph's
+The in-flight bound: when a group opens, the compute stream first waits for the oldest copies
+until at most ``max_inflight_groups`` groups hold GPU memory while their copies run
+(`apply_bound`), and only then are the copies decided since the last open issued; so each copy
+runs under at least one group's compute before the bound can make the compute stream wait for
+it, and the memory bound holds even when the host runs far ahead of the GPU. Groups a graph
+copies for an earlier graph (`carry_in`, Note [C1] of `offload.capture`) are outside the bound: the graph's
 end frees them, and a wait for them at its start would stall every replay.
 """
 
@@ -126,7 +141,8 @@ class CopyQueue:
 
     def offload_released(self, handler: "ChunkOffloadHandler") -> None:
         """Note [8]: copy the records of ``handler``'s offloaded groups that something else held
-        when their copies were issued and that are now only ours; the others stay."""
+        when their copies were issued and that are now only ours; the others stay, to be looked
+        at again."""
         if not handler.held:
             return
         held, handler.held = handler.held, []
@@ -135,8 +151,10 @@ class CopyQueue:
         for rec in held:
             group = rec.group
             if (group.state < GroupState.OFFLOADING or rec.src is None or rec.alive == 0
-                    or rec.host is not None or rec.dev is not None
-                    or not rec.copy_frees_memory(aliases(rec.ptr))):
+                    or rec.host is not None or rec.dev is not None):
+                continue
+            if not rec.copy_frees_memory(aliases(rec.ptr)):
+                handler.held.append(rec)  # still held: looked at again
                 continue
             rec.note_version()
             rec.host = self.pool.acquire(rec.nbytes, False)

@@ -18,9 +18,9 @@ it checks the state being left:
   referenced, because their memory may be reused only after the copy read it.
 * OFFLOADED: the copies are done (an event query, or a GPU-side wait of the compute stream)
   and the GPU references are dropped: the memory is free. Records that something else held
-  when the copies were issued are still on the GPU; if the holder let go by the time the
-  chunk's forward is over, they are copied then, and the group is OFFLOADING again, or still
-  (Note [8] of `offload.copy_queue`).
+  when the copies were issued are still on the GPU; if the holder let go by a later group
+  open or by the time the chunk's forward is over, they are copied then, and the group is
+  OFFLOADING again, or still (Note [8] of `offload.copy_queue`).
 
 The copies themselves, and the events that order them, are `offload.copy_queue`'s.
 Reloads are tracked per record (`TensorRecord.dev`): the same host copy can be reloaded

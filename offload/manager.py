@@ -192,8 +192,9 @@ class PipelineOffloadManager:
         if policy is not None and not policy(handler.group_info(name, layer, self.order.plan)):
             self.stats[name].groups_declined += 1
             return None
-        self.copies.launch_deferred()
-        self.copies.apply_bound()
+        self.copies.apply_bound()  # before the issue: the in-flight bound of offload.copy_queue
+        self.copies.offload_released(handler)  # Note [8] of offload.copy_queue
+        self.copies.launch_deferred(bound=False)
         if self.captures.in_region:
             handler.graphable = True
         group = handler.new_group(name, layer)
@@ -221,7 +222,11 @@ class PipelineOffloadManager:
         previous = group.handler.close_group(group)
         if previous is not None:
             self.copies.defer(previous)  # issued at the next group's open: Note [7] of offload.copy_queue
+        if group.capture is None and not self.captures.in_region and self.chunks.known_not_last(group):
+            group.handler.pending.pop(group.name)
+            self.copies.defer(group)  # decided at its own close: Note [7] of offload.copy_queue
         if group.capture is None and self.chunks.closes_forward(group):
+            self.copies.offload_released(group.handler)  # Note [8] of offload.copy_queue
             self.copies.flush()  # the forward's end: see offload.chunk_lifecycle
         self.copies.poll()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from typing import Any
 
 import numpy
 import pytest
@@ -503,6 +504,89 @@ def test_begin_chunk_numbers_microbatches(configure):
     assert [m for m in labels if m.startswith("offload/")] == [
         "offload/a/L0/c1/mb0", "offload/a/L0/c1/mb1",
     ]
+
+
+def test_a_chunk_known_from_its_previous_forward_issues_each_copy_one_layer_earlier(configure, monkeypatch):
+    """Note [7] of offload.copy_queue: in a chunk's first forward a group is known not to be the
+    last of its name when the next group of its name closes; from its second forward on (the
+    previous one says which layer was the last) when it closes itself. Its copies are issued at
+    the next group's open either way: a layer earlier from the second forward on, so that at
+    the forward's end only the second-to-last layer's copies are in flight. Gradients stay exact."""
+    import offload.nvtx as nv
+
+    manager = configure(["a", "b"])
+    order: list[str] = []
+    monkeypatch.setattr(nv, "push", lambda label: order.append(label))
+    real_open = manager.open_group
+    monkeypatch.setattr(manager, "open_group", lambda name: order.append("open " + name) or real_open(name))
+
+    def layer(name, fn, h):  # nothing but the group's handle holds its input once it returns
+        with offload.group(name, h) as hin:
+            return fn(hin) * 1
+
+    torch.manual_seed(0)
+    w = torch.randn(64, requires_grad=True)
+    ref = []
+    for it in range(3):
+        order.clear()
+        h = w * 1
+        for _ in range(4):
+            h = layer("a", torch.sin, h)
+            h = layer("b", torch.cos, h)
+        h.sum().backward()
+        ref.append(w.grad.clone())
+        w.grad = None
+        stats = offload.end_iteration()
+        copies = [m for m in order if m.startswith("offload/")]
+        opens_before = {m.split("/")[1] + m.split("/")[2]: order[:order.index(m)].count("open a")
+                        + order[:order.index(m)].count("open b") for m in copies}
+        if it == 0:  # a/L0 is decided when a/L1 closes, issued at b/L1's open (the 4th open)
+            assert opens_before == {"aL0": 4, "bL0": 5, "aL1": 6, "bL1": 7, "aL2": 8, "bL2": 8}
+        else:  # a/L0 is decided when it closes, issued at b/L0's open (the 2nd)
+            assert opens_before == {"aL0": 2, "bL0": 3, "aL1": 4, "bL1": 5, "aL2": 6, "bL2": 7}
+        total = stats.total()
+        assert (total.groups_offloaded, total.groups_kept, total.bytes_held_elsewhere) == (6, 2, 0)
+    torch.manual_seed(0)
+    w_ref = torch.randn(64, requires_grad=True)
+    h = w_ref * 1
+    for _ in range(4):
+        h = (h.sin() * 1).cos() * 1
+    h.sum().backward()
+    assert all(torch.equal(g, w_ref.grad) for g in ref)
+
+
+def test_a_forward_shorter_than_the_previous_one_offloads_its_last_group_and_stays_exact(configure):
+    """Note [7]: the previous forward is a guess. When this one has fewer groups of a name, its
+    last group was decided at its close as not the last and is offloaded, though the chunk's own
+    backward comes next; the guess is right again from the next forward on."""
+    configure(["a"])
+    torch.manual_seed(0)
+    w = torch.randn(64, requires_grad=True)
+
+    def layer(h: torch.Tensor) -> torch.Tensor:  # nothing but the group's handle holds its input after it
+        with offload.group("a", h) as hin:
+            return hin.sin() * 1
+
+    def step(layers: int) -> tuple[torch.Tensor, Any]:
+        h = w * 1
+        for _ in range(layers):
+            h = layer(h)
+        h.sum().backward()
+        grad, w.grad = w.grad, None
+        return grad, offload.end_iteration().by_name["a"]
+
+    def reference(layers: int) -> torch.Tensor:
+        v = w.detach().clone().requires_grad_(True)
+        h = v * 1
+        for _ in range(layers):
+            h = h.sin() * 1
+        h.sum().backward()
+        return v.grad
+
+    for layers, kept in [(4, 1), (3, 0), (3, 1), (4, 1)]:
+        grad, stats = step(layers)
+        assert torch.equal(grad, reference(layers))
+        assert (stats.groups, stats.groups_kept, stats.groups_offloaded) == (layers, kept, layers - kept), layers
 
 
 def test_copy_in_pieces_covers_every_element():

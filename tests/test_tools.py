@@ -121,11 +121,12 @@ def test_offloaded_bytes_follow_the_engine_rules():
     # a:0 and a:1 (a:2 is the last, kept); the storage shared with b stays
     assert p.offloaded_by_name == {"a": 8_000_000}
     # Forward, module times scaled by 6/4.8 = 1.25: a 1.25, b 0.125, c 0.625 ms; a layer 2 ms.
-    # a:0 is decided when a:1 closes (3.25) and issued at a:2's open (4.0); issued early, it
-    # starts when a:0 closed (1.25) and ends at 5.25. a:2's close (5.25) is the flush: a:1 is
-    # issued there (5.25 to 9.25) and waited for (4 ms). Held then: a:0 and a:1, 8 MB; the
-    # rest of the forward saves only c:2's 0.1 MB and the profile has no backward buffers, so
-    # 7.9 MB of them count at the peak.
+    # a:0 is known not to be the last at its close (1.25: from the previous forward) and issued
+    # at a:1's open (2.0); issued early, it starts when a:0 closed and ends at 5.25. a:1 (closed
+    # at 3.25) is issued at a:2's open (4.0), after the bound (one group in flight: a:0, not
+    # waited for), queued behind a:0 (5.25 to 9.25). a:2's close (5.25) is the flush: it waits
+    # for both (4 ms). Held then: a:0 and a:1, 8 MB; the rest of the forward saves only c:2's
+    # 0.1 MB and the profile has no backward buffers, so 7.9 MB of them count at the peak.
     assert p.forward_wait_ms == pytest.approx(4.0) and p.forward_wait_by_name == {"a": pytest.approx(4.0)}
     assert p.inflight_bytes == 7_900_000
     assert p.freed_at_peak == 100_000 and p.peak_bytes == 99_900_000
@@ -141,27 +142,29 @@ def test_offloaded_bytes_follow_the_engine_rules():
     assert free.inflight_bytes == 0 and free.freed_at_peak == 8_000_000 and free.cost_ms == pytest.approx(5.2)
     both = m.predict(offload=["a", "b"])
     assert both.offloaded_by_name == {"a": 8_000_000, "b": 2_000_000}  # shared storages owned by b
-    # one copy stream, in issue order: a:0 (issued at b:1's open, 1.25 to 5.25), b:0 (at a:2's
-    # open, queued behind it: 5.25 to 6.25); with max_inflight_groups=1, issuing b:0 waits for
-    # a:0 (4.0 to 5.25). a:2 is not the forward's last group: no flush at its close (6.5), and
-    # a:1 is issued at b:2's open (6.25 to 10.25), where b:0 is already done. The flush is at
-    # b:2's close (6.625), the forward's last group: it issues b:1 (10.25 to 11.25) and waits
-    # for a:1 (3.625) and b:1 (1.0). Held then: a:1 and b:1, 5 MB, less c:2's 0.1 MB.
-    assert both.forward_wait_by_name == {"a": pytest.approx(1.25 + 3.625), "b": pytest.approx(1.0)}
-    assert both.inflight_bytes == 4_900_000 and both.freed_at_peak == 5_100_000
+    # one copy stream, in issue order: a:0 (issued at b:0's open, 1.25 to 5.25), b:0 (at a:1's
+    # open, 2.0, queued behind it: 5.25 to 6.25). With max_inflight_groups=1 the bound at each
+    # open waits for all but the newest copy before issuing: at b:1's open (3.25) for a:0
+    # (2.0 ms), then a:1 is issued (6.25 to 10.25); at a:2's open (6.0) for b:0 (0.25), then b:1
+    # (10.25 to 11.25); at b:2's open (7.5) for a:1 (2.75). a:2 is not the forward's last
+    # group: no flush at its close. The flush is at b:2's close (10.375), the forward's last
+    # group: it waits for b:1 (0.875). Held then: b:1, 1 MB, less c:2's 0.1 MB.
+    assert both.forward_wait_by_name == {"a": pytest.approx(2.0 + 2.75), "b": pytest.approx(0.25 + 0.875)}
+    assert both.inflight_bytes == 900_000 and both.freed_at_peak == 9_100_000
     assert both.backward_exposed_ms == pytest.approx(2 * (5 - 4)) and both.cost_ms == pytest.approx(9.075)
-    # two groups in flight: issuing b:0 waits for nothing, issuing a:1 waits for a:0 (done at
-    # 5.25, the clock); the flush holds b:0 as well (6 MB) and waits for b:0 (0.875), a:1 (4.0)
-    # and b:1 (1.0)
+    # two groups in flight: the bound first waits at a:2's open (4.0), for a:0 (1.25); b:2's
+    # open finds b:0 done; the flush (b:2's close, 6.625) holds a:1 and b:1 (5 MB) and waits
+    # for a:1 (3.625) and b:1 (1.0): more held at the peak for no less waiting
     two = m.predict(offload=["a", "b"], max_inflight_groups=2)
-    assert two.inflight_bytes == 5_900_000 and two.freed_at_peak == 4_100_000
-    assert two.forward_wait_by_name == {"a": pytest.approx(4.0), "b": pytest.approx(0.875 + 1.0)}
+    assert two.inflight_bytes == 4_900_000 and two.freed_at_peak == 5_100_000
+    assert two.forward_wait_by_name == {"a": pytest.approx(1.25 + 3.625), "b": pytest.approx(1.0)}
     assert two.cost_ms == pytest.approx(9.075)
     # the flush is at the forward's last offloaded group, so offloading c (whose group closes
-    # last) moves it after b:2 and c:2: a:1's copy (issued at c:2's open, 6.625) waits 2.1 ms
-    # there instead of 4.0 at a:2's close
+    # last) moves it after c:2, and c's groups open between a's: the bound waits for a:0 at
+    # c:1's open (3.375, 1.875 ms) and for a:1 at c:2's open (7.25, 2.1 ms); the flush finds
+    # c:1 done
     ac = m.predict(offload=["a", "c"])
-    assert ac.forward_wait_by_name == {"a": pytest.approx(1.25 + 2.1), "c": pytest.approx(0.1)}
+    assert ac.forward_wait_by_name == {"a": pytest.approx(1.875 + 2.1)}
     rec = m.predict(recompute=["b"])
     assert rec.recomputed_bytes == 750_000 and rec.recompute_ms == pytest.approx(0.3)
     assert m.predict(offload=["b"]).offloaded_bytes == 0
@@ -185,18 +188,18 @@ def test_verdicts_and_budget_search():
     best, fits = search(m, 95_000_000, allow_recompute=True)
     assert fits and best.recompute == ["a"] and best.offload == [] and best.cost_ms == pytest.approx(3.0)
     # offloading only: a alone frees its 8 MB (nothing in flight reaches the peak) for 5.2 ms;
-    # a and c free 8.2 MB for 4.85 ms (the flush moves to c:2's close: a:1's copy waits 1.9 ms
-    # less, c's copies cost 0.1 ms of waiting, 0.2 of reloads and 0 of slowdown more), a and b
-    # 10 MB for 9.075 ms
+    # a and c free 8.2 MB for 5.375 ms (a's copies wait 0.025 ms less, c's reloads cost 0.2 ms),
+    # a and b 10 MB for 9.075 ms
+    assert m.predict(offload=["a", "c"]).cost_ms == pytest.approx(5.375)
     best, fits = search(m, 95_000_000, allow_recompute=False)
-    assert fits and best.offload == ["a", "c"] and best.cost_ms == pytest.approx(4.85)
-    assert best.freed_at_peak == 8_200_000
+    assert fits and best.offload == ["a"] and best.cost_ms == pytest.approx(5.2)
+    assert best.freed_at_peak == 8_000_000
     best, fits = search(m, 50_000_000, allow_recompute=False)
     assert not fits and best.offload == ["a", "b", "c"]  # the most memory it can free
     out = advise(buffered_profile(), Bandwidth.constant(1.0, 0.1), budget=95_000_000)
     assert out["free"] == ["c"] and out["free_flags"] == "--offload-modules=c"
     assert out["budget"]["flags"] == "--recompute-modules=a"
-    assert out["budget_offload_only"]["flags"] == "--offload-modules=a,c"
+    assert out["budget_offload_only"]["flags"] == "--offload-modules=a"
     # without backward buffers the peak is the first flush, where a's groups are in flight:
     # offloading frees almost nothing there, and c nothing at all
     bare = Model(synthetic_profile(), Bandwidth.constant(1.0, compute_slowdown=0.1))
@@ -227,21 +230,21 @@ def test_free_set_is_free_together_and_keeps_one_group_in_flight():
     # with max_inflight_groups=1 the copy waited for at each issue ended long before. Free.
     one = m.predict(offload=["x", "y"])
     assert m.copy_fraction(one) == pytest.approx(0.5) and one.forward_wait_ms == 0 and one.cost_ms == 0
-    # the flush, at y:3's close (the forward's last group), holds x:2 (issued at y:3's open) and
-    # y:2 (deferred at that close); nothing is saved after it and the profile has no backward
-    # buffers, so both count at the peak. Two groups in flight buy no time and hold one more.
-    assert one.inflight_bytes == 1_000_000
+    # the flush, at y:3's close (the forward's last group), holds y:2 (issued at x:3's open; x:2
+    # was let go by the bound at y:3's open); nothing is saved after it and the profile has no
+    # backward buffers, so it counts at the peak. Two groups in flight buy no time and hold one more.
+    assert one.inflight_bytes == 500_000
     two = m.predict(offload=["x", "y"], max_inflight_groups=2)
     assert two.cost_ms == 0 and two.inflight_bytes == one.inflight_bytes + 500_000
-    # z moves nothing; offloading it would only move the flush after z:3, where x:2 and y:2
-    # are done: never advised (Prediction.idle_offloads)
+    # z moves nothing; offloading it would only move the flush after z:3: never advised
+    # (Prediction.idle_offloads)
     xyz = m.predict(offload=["x", "y", "z"])
     assert xyz.idle_offloads == ["z"] and xyz.inflight_bytes == 500_000
     out = advise(two_close_names_profile(), Bandwidth.constant(1.0))
     assert [r["verdict"] for r in out["modules"]] == ["free", "free", "nothing"]
     assert out["free"] == ["x", "y"] and out["free_max_inflight_groups"] == 1
     assert out["free_flags"] == "--offload-modules=x,y"
-    assert out["free_prediction"]["cost_pct"] <= 2 and out["free_prediction"]["freed_at_peak"] == 2_000_000
+    assert out["free_prediction"]["cost_pct"] <= 2 and out["free_prediction"]["freed_at_peak"] == 2_500_000
     assert search(m, 8_500_000, allow_recompute=False)[0].offload == ["x", "y"]  # not x, y, z (8.5 MB too)
     from offload.tools.advise import render
 

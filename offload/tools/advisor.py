@@ -41,12 +41,14 @@ The model, on the profile's saved storages (`offload.tools.profile_modules`):
   held. The recompute runs only the names that are not kept.
 * **Forward time**: the engine's own schedule, simulated on the profile's forward (each module
   instance's measured forward time, scaled so that a layer takes the measured layer forward),
-  with the host ahead of the GPU (a GPU-bound step). A group is known to be offloaded when the
-  next group of its name closes, and its copy is issued at the next group open (Note [7] of
-  `offload.copy_queue`); issued early by the host, it starts on the GPU as soon as its group
-  closed, after the copies issued before it (one device-to-host stream). At an issue, with
-  ``max_inflight_groups=m``, the compute stream waits for the copy ``m`` issues back; at the close
-  of the forward's last offloaded group (the engine's flush) it waits for every copy. Those
+  with the host ahead of the GPU (a GPU-bound step), in the steady state: a group that is not
+  the last of its name is known to be offloaded when it closes (from the chunk's previous
+  forward), and its copy is issued at the next group open (Note [7] of `offload.copy_queue`);
+  issued early by the host, it starts on the GPU as soon as its group closed, after the copies
+  issued before it (one device-to-host stream). At an open, with ``max_inflight_groups=m``,
+  the compute stream first waits for the oldest copies until ``m`` are in flight, then the
+  open issues its copies; at the close of the forward's last offloaded group (the engine's
+  flush) it waits for every copy. Those
   waits are the forward's exposed time (``forward_wait_ms``).
 * **Backward time**: the reloads of one layer run one after another behind that layer's
   backward; what exceeds it is exposed (``backward_exposed_ms``).
@@ -285,15 +287,15 @@ class Model:
             deferred.clear()
 
         for k, seg in enumerate(self.segments):
-            if k in opens:  # a group opens: the deferred copies are issued, then the bound applies
-                issue()
+            if k in opens:  # a group opens: the bound applies, then the deferred copies are issued
                 while len(pending) > inflight:
                     wait_for(*pending.popleft())
+                issue()
             t += seg
             for unit, i in closes.get(k, ()):
                 ready[(unit, i)] = t
-                if (unit, i - 1) in by_group:
-                    deferred.append((unit, i - 1))
+                if (unit, i) in by_group and i < self._instances(unit) - 1:
+                    deferred.append((unit, i))
             if k == last_close:  # the forward's end: the flush
                 flush = (sum(by_group[g] for _, g in pending) + sum(by_group[g] for g in deferred), k)
                 issue()
