@@ -121,15 +121,21 @@ class ChunkOffloadHandler:
         self.last_of_name[name] = group
         return group
 
-    def close_group(self, group: OffloadGroup) -> OffloadGroup | None:
-        """Make ``group`` the pending group of its name; return the one it replaces, which is
-        not the last of its name and can be offloaded now. Launching it only now (not when
-        ``group`` opened) lets ``group`` take over the storages both saved (see `_share`)."""
-        previous = self.pending.pop(group.name, None)
+    def close_group(self, group: OffloadGroup, not_last: bool) -> list[OffloadGroup]:
+        """Close ``group``; return the groups now known not to be the last of their name, to be
+        offloaded (Note [7] of `offload.copy_queue`): the pending group of its name, which
+        ``group`` replaces (deciding it only now, not when ``group`` opened, lets ``group`` take
+        over the storages both saved: `_share`), and ``group`` itself when ``not_last`` (the
+        chunk's previous forward had a later group of its name); else ``group`` is pending."""
         group.advance(GroupState.PENDING)
-        self.pending[group.name] = group
         self.last_closed = group
-        return previous
+        previous = self.pending.pop(group.name, None)
+        decided = [] if previous is None else [previous]
+        if not_last:
+            decided.append(group)
+        else:
+            self.pending[group.name] = group
+        return decided
 
     def take_pending(self) -> list[OffloadGroup]:
         """The groups still waiting for the last-layer decision, which is now being made."""

@@ -219,12 +219,9 @@ class PipelineOffloadManager:
         self.stats.closed(group)
         if self.captures.in_region:
             self.captures.plan_step(group)
-        previous = group.handler.close_group(group)
-        if previous is not None:
-            self.copies.defer(previous)  # issued at the next group's open: Note [7] of offload.copy_queue
-        if group.capture is None and not self.captures.in_region and self.chunks.known_not_last(group):
-            group.handler.pending.pop(group.name)
-            self.copies.defer(group)  # decided at its own close: Note [7] of offload.copy_queue
+        not_last = group.capture is None and not self.captures.in_region and self.chunks.known_not_last(group)
+        for decided in group.handler.close_group(group, not_last):
+            self.copies.defer(decided)  # issued at the next group's open: Note [7] of offload.copy_queue
         if group.capture is None and self.chunks.closes_forward(group):
             self.copies.offload_released(group.handler)  # Note [8] of offload.copy_queue
             self.copies.flush()  # the forward's end: see offload.chunk_lifecycle

@@ -48,8 +48,8 @@ The model, on the profile's saved storages (`offload.tools.profile_modules`):
   issued before it (one device-to-host stream). At an open, with ``max_inflight_groups=m``,
   the compute stream first waits for the oldest copies until ``m`` are in flight, then the
   open issues its copies; at the close of the forward's last offloaded group (the engine's
-  flush) it waits for every copy. Those
-  waits are the forward's exposed time (``forward_wait_ms``).
+  flush) it waits for every copy. Those waits are the forward's exposed time
+  (``forward_wait_ms``).
 * **Backward time**: the reloads of one layer run one after another behind that layer's
   backward; what exceeds it is exposed (``backward_exposed_ms``).
 * **Slowdown**: copies that overlap compute slow it by the probe's ``compute_slowdown``.
