@@ -428,8 +428,8 @@ def stats_summary(stats) -> dict:
     out = {name: {k: getattr(s, k) for k in keep} for name, s in stats.by_name.items()}
     if stats.timed:  # the engine times every iteration only with timing=True (OffloadConfig.timing)
         for name, s in stats.by_name.items():
-            out[name] |= {"offload_wait_ms": s.offload_wait_ms, "reload_wait_ms": s.reload_wait_ms,
-                          "d2h_gbps": s.d2h_gbps, "h2d_gbps": s.h2d_gbps}
+            out[name] |= {"offload_wait_ms": s.offload_wait_ms, "flush_wait_ms": s.flush_wait_ms,
+                          "reload_wait_ms": s.reload_wait_ms, "d2h_gbps": s.d2h_gbps, "h2d_gbps": s.h2d_gbps}
     return {"by_name": out, "pinned_bytes": stats.pinned_bytes, "max_inflight_groups": stats.max_inflight_groups}
 
 

@@ -216,7 +216,7 @@ class CopyQueue:
         waits for their copies on the GPU (the forward's end, a backward's start, a capture's
         join)."""
         self.launch_deferred()
-        self.release_all()
+        self.release_all(flush=True)
 
     def reset(self) -> None:
         """Forget every copy (the caller made the compute stream wait for the side streams)."""
@@ -253,10 +253,11 @@ class CopyQueue:
             self._release(inflight.popleft(), wait=False)
             self.carried = max(0, self.carried - 1)
 
-    def release_all(self) -> None:
-        """Free every group in flight; the compute stream waits for their copies on the GPU."""
+    def release_all(self, flush: bool = False) -> None:
+        """Free every group in flight; the compute stream waits for their copies on the GPU
+        (``flush``: at the forward's end, its waits counted in ``flush_wait_ms`` too)."""
         while self.inflight:
-            self._release(self.inflight.popleft(), wait=True)
+            self._release(self.inflight.popleft(), wait=True, flush=flush)
         self.carried = 0
 
     def drop_all(self) -> None:
@@ -275,9 +276,10 @@ class CopyQueue:
             self.deferred = [g for g in self.deferred if g.capture is not session]
         return labels
 
-    def _release(self, group: OffloadGroup, wait: bool) -> None:
+    def _release(self, group: OffloadGroup, wait: bool, flush: bool = False) -> None:
         if wait:
-            self.wait(group.stream, group.d2h_done, "offload_wait_ms", group.name)
+            self.wait(group.stream, group.d2h_done, "offload_wait_ms", group.name,
+                      "flush_wait_ms" if flush else None)
         group.release()
 
     # ------------------------------------------------------------------ reload
@@ -354,8 +356,9 @@ class CopyQueue:
                 group.alloc_stream.wait_event(group.h2d_done)
 
     # ------------------------------------------------------------------ waits
-    def wait(self, stream: Any, event: Any, kind: str, name: str) -> None:
-        """``stream`` waits on ``event`` on the GPU; with timing, measure how long it stood."""
+    def wait(self, stream: Any, event: Any, kind: str, name: str, part: str | None = None) -> None:
+        """``stream`` waits on ``event`` on the GPU; with timing, measure how long it stood (in
+        field ``kind``, and in ``part`` too: a share of ``kind`` counted on its own)."""
         if self.stats.timing and not self.streams.is_capturing():
             before = self.streams.event(timing=True)
             after = self.streams.event(timing=True)
@@ -363,6 +366,8 @@ class CopyQueue:
             stream.wait_event(event)
             after.record(stream)
             self.stats.time(kind, name, before, after, stream)
+            if part is not None:
+                self.stats.time(part, name, before, after)
         else:
             stream.wait_event(event)
 

@@ -32,8 +32,9 @@ The advice (`copy_wait_notice`): the copies out of all names share one copy engi
 of names fits when the shares of their layers' forward compute that their copies out need
 (copy ms per group / layer ms) add up to at most 1. If the configured names do not fit, the
 subset that fits with the most bytes per step is named; if they do, the waits come from the
-in-flight bound or the forward's end (waits for copies out), or from the reloads (waits for
-copies back), and the notice says so. It always points to the planner,
+forward's end (the part of the waits for copies out timed at the flush, ``flush_wait_ms``, when
+it is most of them), from the in-flight bound (the rest of the waits for copies out), or from
+the reloads (waits for copies back), and the notice says which. It always points to the planner,
 ``offload.configure(modules="auto", memory_budget=...)`` and ``offload.plan``.
 
 The CPU fallback cannot time its copies: there no probe runs and nothing is said. On a GPU the
@@ -72,7 +73,8 @@ class NameFigures:
     ``groups``: groups offloaded per step; ``d2h_ms``/``h2d_ms``: copy time out/back per group;
     ``layer_ms``: the forward compute from one group of the name to the next (one layer), waits
     excluded, positive (the probe makes it at least 1 us), ``None`` if not measured (one group
-    per forward); waits and ``reloads_on_demand`` are per step."""
+    per forward); waits and ``reloads_on_demand`` are per step, ``flush_wait_ms`` the part of
+    ``offload_wait_ms`` at the forward's end."""
 
     name: str
     groups: float
@@ -83,6 +85,7 @@ class NameFigures:
     offload_wait_ms: float
     reload_wait_ms: float
     reloads_on_demand: float = 0.0
+    flush_wait_ms: float = 0.0
 
     @property
     def wait_ms(self) -> float:
@@ -133,8 +136,12 @@ def _describe(n: NameFigures) -> str:
         against = f"{n.layer_ms:.2f} ms of forward compute per layer (the copy out needs {_percent(n.share)} of it)"
     return (f"  {n.name}: {round(n.groups, 1):g} group(s) per step of {_size(n.bytes_per_group)} each (one per "
             f"layer and microbatch); copy out {n.d2h_ms:.2f} ms, back {n.h2d_ms:.2f} ms per group, against "
-            f"{against}; waits per step: {n.offload_wait_ms:.1f} ms for copies out, {n.reload_wait_ms:.1f} ms "
-            "for copies back")
+            f"{against}; waits per step: {n.offload_wait_ms:.1f} ms for copies out{_at_the_end(n.flush_wait_ms)}, "
+            f"{n.reload_wait_ms:.1f} ms for copies back")
+
+
+def _at_the_end(flush_ms: float) -> str:
+    return f" ({flush_ms:.1f} of them at the forward's end)" if flush_ms >= 0.05 else ""
 
 
 def _instead(names: Sequence[NameFigures], max_inflight_groups: int) -> str:
@@ -149,13 +156,21 @@ def _instead(names: Sequence[NameFigures], max_inflight_groups: int) -> str:
     if offloading and not unknown and total <= 1.0:
         head = (f"Instead: their copies out need {_percent(total)} of the forward compute they run under, so "
                 "they fit at the measured rate")
-        if sum(n.offload_wait_ms for n in names) >= sum(n.reload_wait_ms for n in names):
-            return (f"{head}; the waits come from the in-flight bound: max_inflight_groups={max_inflight_groups} "
-                    f"lets {max_inflight_groups} group(s) copy at a time, so each copy has to end under the compute "
-                    f"of the next {max_inflight_groups} group(s) of any name; raise it (each group more in flight "
-                    "holds its bytes at the peak). Or they come from the forward's end, where the compute stream "
-                    "waits for the last copies so that the peak does not hold them (docs/design.md, Known "
-                    f"limits): fewer bytes in the last layers help there. Or {PLANNER}.")
+        out = sum(n.offload_wait_ms for n in names)
+        flush = sum(n.flush_wait_ms for n in names)
+        if out >= sum(n.reload_wait_ms for n in names):
+            if 2 * flush > out:
+                return (f"{head}; the waits come from the forward's end ({flush:.1f} of the {out:.1f} ms per step "
+                        "for copies out): there the compute stream waits for the copies still in flight so that "
+                        "the peak does not hold them, and the second-to-last layer's copies run only under what "
+                        "follows their group in the last layer (docs/design.md, Known limits); fewer bytes in "
+                        f"the last layers, or names whose groups close early in the layer, help there. Or {PLANNER}.")
+            end = (f" ({out - flush:.1f} of the {out:.1f} ms per step for copies out; the rest at the forward's "
+                   "end)") if flush >= 0.05 else ""
+            return (f"{head}; the waits come from the in-flight bound{end}: max_inflight_groups="
+                    f"{max_inflight_groups} lets {max_inflight_groups} group(s) copy at a time, so each copy has to "
+                    f"end under the compute of the next {max_inflight_groups} group(s) of any name; raise it (each "
+                    f"group more in flight holds its bytes at the peak). Or {PLANNER}.")
         on_demand = sum(n.reloads_on_demand for n in names)
         why = (f"; {round(on_demand, 1):g} reload(s) per step ran on demand, prefetched by nothing (a group "
                "whose inputs need no gradient: docs/design.md, Knowing where backward is)") if on_demand else ""
@@ -214,7 +229,7 @@ def _figures(name: str, s: GroupStats, count: int, layers: list[float] | None) -
         d2h_ms=s.d2h_ms / groups if groups else 0.0, h2d_ms=s.h2d_ms / reloads if reloads else 0.0,
         layer_ms=max(sum(layers) / len(layers), 1e-3) if layers else None,
         offload_wait_ms=s.offload_wait_ms / count, reload_wait_ms=s.reload_wait_ms / count,
-        reloads_on_demand=s.reloads_on_demand / count,
+        reloads_on_demand=s.reloads_on_demand / count, flush_wait_ms=s.flush_wait_ms / count,
     )
 
 

@@ -17,8 +17,11 @@ class GroupStats:
     Times are milliseconds measured with CUDA events, in the iterations that are timed (every
     one with ``timing=True``, else the three the copy-wait notice measures; zero in the others
     and on the CPU fallback). ``offload_wait_ms`` is the time the compute stream stood still waiting
-    for device-to-host copies (the in-flight bound), ``reload_wait_ms`` the time it waited
-    for host-to-device copies that backward needed. ``reloads_on_demand`` counts reloads that
+    for device-to-host copies (the in-flight bound, and the forward's end), ``flush_wait_ms`` the
+    part of it at the forward's end (the flush at its last group's close, or at a backward's
+    start: the compute stream waits for every copy in flight so that the step's peak does not
+    hold them), ``reload_wait_ms`` the time it waited for host-to-device copies that backward
+    needed. ``reloads_on_demand`` counts reloads that
     backward asked for before anything had prefetched them (their copy could not overlap).
     ``bytes_held_elsewhere`` are bytes the groups saved that something else still held when
     their copy was due (typically a module that is not offloaded saved the same tensor):
@@ -42,6 +45,7 @@ class GroupStats:
     d2h_ms: float = 0.0
     h2d_ms: float = 0.0
     offload_wait_ms: float = 0.0
+    flush_wait_ms: float = 0.0
     reload_wait_ms: float = 0.0
 
     @classmethod

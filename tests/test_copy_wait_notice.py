@@ -65,17 +65,32 @@ def test_says_nothing_at_or_under_two_percent_of_the_step(waited, says):
 
 def test_copies_that_fit_point_to_the_in_flight_bound():
     names = [NameFigures("fc1", 6, 4e7, d2h_ms=0.8, h2d_ms=0.8, layer_ms=4.0, offload_wait_ms=6.0,
-                         reload_wait_ms=1.0),
+                         reload_wait_ms=1.0, flush_wait_ms=1.5),
              NameFigures("mlp_act", 6, 8e7, d2h_ms=1.6, h2d_ms=1.6, layer_ms=4.0, offload_wait_ms=3.0,
                          reload_wait_ms=0.0)]
-    note = copy_wait_notice(names, 100.0, max_inflight_groups=2)
-    assert note.split("\n")[-1] == (
+    lines = copy_wait_notice(names, 100.0, max_inflight_groups=2).split("\n")
+    assert lines[1].endswith("waits per step: 6.0 ms for copies out (1.5 of them at the forward's end), 1.0 ms "
+                             "for copies back")
+    assert lines[2].endswith("waits per step: 3.0 ms for copies out, 0.0 ms for copies back")
+    assert lines[-1] == (
         "Instead: their copies out need 60% of the forward compute they run under, so they fit at the measured "
-        "rate; the waits come from the in-flight bound: max_inflight_groups=2 lets 2 group(s) copy at a time, so "
-        "each copy has to end under the compute of the next 2 group(s) of any name; raise it (each group more in "
-        "flight holds its bytes at the peak). Or they come from the forward's end, where the compute stream waits "
-        "for the last copies so that the peak does not hold them (docs/design.md, Known limits): fewer bytes in the "
-        "last layers help there. Or " + PLANNER)
+        "rate; the waits come from the in-flight bound (7.5 of the 9.0 ms per step for copies out; the rest at "
+        "the forward's end): max_inflight_groups=2 lets 2 group(s) copy at a time, so each copy has to end under "
+        "the compute of the next 2 group(s) of any name; raise it (each group more in flight holds its bytes at "
+        "the peak). Or " + PLANNER)
+
+
+def test_copies_that_fit_waited_for_at_the_forwards_end_say_so():
+    """Most of the waits for copies out timed at the flush: the forward's end, not the bound."""
+    names = [NameFigures("moe_act", 28, 4.6e8, d2h_ms=8.6, h2d_ms=8.6, layer_ms=12.8, offload_wait_ms=33.8,
+                         reload_wait_ms=2.8, flush_wait_ms=30.0)]
+    assert copy_wait_notice(names, 952.4).split("\n")[-1] == (
+        "Instead: their copies out need 67% of the forward compute they run under, so they fit at the measured "
+        "rate; the waits come from the forward's end (30.0 of the 33.8 ms per step for copies out): there the "
+        "compute stream waits for the copies still in flight so that the peak does not hold them, and the "
+        "second-to-last layer's copies run only under what follows their group in the last layer (docs/design.md, "
+        "Known limits); fewer bytes in the last layers, or names whose groups close early in the layer, help "
+        "there. Or " + PLANNER)
 
 
 def test_copies_that_fit_with_waits_for_reloads_name_the_reloads_on_demand():
@@ -413,6 +428,27 @@ def test_engine_says_once_with_the_simulated_figures(configure, monkeypatch):
            'offload.configure(modules="qkv_linear,fc1")' in note
     # The probe's events: the first step's start, then one per group closed and the step's end.
     assert events == [0, 1, closed[2] + 1, closed[3] + 1, closed[4] + 1, 0, 0, 0] and closed[2] == 12
+
+
+def test_engine_times_the_waits_at_the_forwards_end_apart(configure, monkeypatch):
+    """mlp_act alone at 600 bytes/ms: its 13.65 ms copies against 10 ms layers. From the second
+    iteration on (the forward's last group known) the compute stream waits only at the forward's
+    end, for the second-to-last layer's copy: all of ``offload_wait_ms`` is ``flush_wait_ms``,
+    and the notice says so."""
+    gpu, manager, probe, model = engine_on_simulated_gpu(configure, monkeypatch, 600.0, ["mlp_act"])
+    x, g = torch.randn(8, 2, 32), torch.randn(8, 2, 32)
+    waits, said_all = [], []
+    for _ in range(6):
+        train_step(model, x, g)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            s = offload.end_iteration().by_name["mlp_act"]
+        waits.append((s.offload_wait_ms, s.flush_wait_ms))
+        said_all += [str(w.message) for w in said if "copies made the compute stream wait" in str(w.message)]
+    assert all(out > 0 and flush == pytest.approx(out) for out, flush in waits[1:]), waits
+    assert len(said_all) == 1
+    out = waits[2][0]
+    assert f"waits per step: {out:.1f} ms for copies out ({out:.1f} of them at the forward's end)" in said_all[0]
 
 
 def test_engine_says_nothing_when_copies_hide_under_compute(configure, monkeypatch):

@@ -377,6 +377,9 @@ def test_copy_wait_notice(configure, monkeypatch, slowed):
     assert "measured in iterations 2, 3, 4;" in probe.notice
     assert all(f"\n  {name}: 3 group(s) per step of " in probe.notice for name in names)
     assert all(f.d2h_ms > 5.0 for f in figures.values())  # the spin runs in each copy
+    # the forward's end waits for the second-to-last layer's slowed copies: a part of the waits out
+    assert all(0.0 <= f.flush_wait_ms <= f.offload_wait_ms + 1e-6 for f in figures.values())
+    assert sum(f.flush_wait_ms for f in figures.values()) > 0
 
 
 def test_copies_call_the_cuda_runtime_directly():
