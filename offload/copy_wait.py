@@ -162,9 +162,11 @@ def _instead(names: Sequence[NameFigures], max_inflight_groups: int) -> str:
             if 2 * flush > out:
                 return (f"{head}; the waits come from the forward's end ({flush:.1f} of the {out:.1f} ms per step "
                         "for copies out): there the compute stream waits for the copies still in flight so that "
-                        "the peak does not hold them, and the second-to-last layer's copies run only under what "
-                        "follows their group in the last layer (docs/design.md, Known limits); fewer bytes in "
-                        f"the last layers, or names whose groups close early in the layer, help there. Or {PLANNER}.")
+                        "the peak does not hold them, and a copy issued at the last layer's group open of its "
+                        "name runs only under what is left of that layer (docs/design.md, Known limits); fewer "
+                        "bytes in the last layers help there, and so does a name whose group opens early in each "
+                        "layer (a norm), at whose open the copies decided before it are issued. "
+                        f"Or {PLANNER}.")
             end = (f" ({out - flush:.1f} of the {out:.1f} ms per step for copies out; the rest at the forward's "
                    "end)") if flush >= 0.05 else ""
             return (f"{head}; the waits come from the in-flight bound{end}: max_inflight_groups="

@@ -87,10 +87,10 @@ def test_copies_that_fit_waited_for_at_the_forwards_end_say_so():
     assert copy_wait_notice(names, 952.4).split("\n")[-1] == (
         "Instead: their copies out need 67% of the forward compute they run under, so they fit at the measured "
         "rate; the waits come from the forward's end (30.0 of the 33.8 ms per step for copies out): there the "
-        "compute stream waits for the copies still in flight so that the peak does not hold them, and the "
-        "second-to-last layer's copies run only under what follows their group in the last layer (docs/design.md, "
-        "Known limits); fewer bytes in the last layers, or names whose groups close early in the layer, help "
-        "there. Or " + PLANNER)
+        "compute stream waits for the copies still in flight so that the peak does not hold them, and a copy "
+        "issued at the last layer's group open of its name runs only under what is left of that layer "
+        "(docs/design.md, Known limits); fewer bytes in the last layers help there, and so does a name whose group "
+        "opens early in each layer (a norm), at whose open the copies decided before it are issued. Or " + PLANNER)
 
 
 def test_copies_that_fit_with_waits_for_reloads_name_the_reloads_on_demand():
