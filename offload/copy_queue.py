@@ -67,8 +67,8 @@ until at most ``max_inflight_groups`` groups hold GPU memory while their copies 
 (`apply_bound`), and only then are the copies decided since the last open issued; so each copy
 runs under at least one group's compute before the bound can make the compute stream wait for
 it, and the memory bound holds even when the host runs far ahead of the GPU. Groups a graph
-copies for an earlier graph (`carry_in`, Note [C1] of `offload.capture`) are outside the bound: the graph's
-end frees them, and a wait for them at its start would stall every replay.
+copies for an earlier graph (`carry_in`, Note [C1] of `offload.capture`) are outside the
+bound: the graph's end frees them, and a wait for them at its start would stall every replay.
 """
 
 from __future__ import annotations
