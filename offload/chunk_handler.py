@@ -206,7 +206,7 @@ class ChunkOffloadHandler:
 
     def _unhold(self, rec: TensorRecord) -> bool:
         """Take ``rec`` out of ``held`` (and its bytes out of its name's count); whether it was there."""
-        if rec.src is None or rec.dev is not None or rec not in self.held:
+        if rec not in self.held:
             return False
         self.held.remove(rec)
         if self._stats is not None:
