@@ -54,6 +54,7 @@ __all__ = [
     "PipelineOffloadManager",
     "SavedTensorModifiedError",
     "UnknownModuleError",
+    "after_host_sync",
     "attach",
     "begin_chunk",
     "configure",
@@ -175,6 +176,16 @@ def set_schedule(order: Sequence[int] | None) -> None:
 def end_iteration() -> IterationStats:
     """Close the training iteration and return its statistics."""
     return PipelineOffloadManager.get().end_iteration()
+
+
+def after_host_sync() -> None:
+    """Say that the model has just synchronized with the host (``.cpu()``, ``.item()``,
+    ``.tolist()`` of a GPU tensor: an MoE dispatcher reading its token counts). Call it right
+    after a sync the model makes every layer: the copies decided since are issued there, so a
+    copy has until the next sync to end, and the sync does not wait behind it in the copy
+    engine's queue (Note [9] of `offload.copy_queue`). The Megatron integration calls it as each
+    MoE layer's experts start. Outside a forward that offloads it does nothing."""
+    PipelineOffloadManager.get().after_host_sync()
 
 
 @contextlib.contextmanager

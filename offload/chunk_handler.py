@@ -14,6 +14,9 @@ the first group after the previous handler's backward began). It
 * remembers the records left on the GPU because something else held them when their group's
   copies were issued (``held``), for a second look at later group opens and when its forward
   is over (Note [8] of `offload.copy_queue`);
+* remembers whether the model said, in this forward, that it synchronized with the host
+  (``host_syncs``): from then on its copies are issued after each such sync (Note [9] of
+  `offload.copy_queue`);
 * gives back what it holds when autograd has freed all its handles (`retire`).
 
 Its phase moves FORWARD -> FORWARD_DONE -> BACKWARD, or FORWARD -> BACKWARD directly when the
@@ -84,6 +87,7 @@ class ChunkOffloadHandler:
         self.last_closed: OffloadGroup | None = None  # the group that closed last in this forward
         self._by_storage: dict[int, list[TensorRecord]] = {}  # storage address -> its records
         self.held: list[TensorRecord] = []  # not copied: held elsewhere then (Note [8] of offload.copy_queue)
+        self.host_syncs = False  # the model said it synced with the host in this forward (Note [9] of offload.copy_queue)
         self.alive = 0
         self.graphable = False  # a group ran inside an `offload.graphs.region`: keep nothing
 

@@ -116,7 +116,8 @@ class OffloadConfig:
             oldest copies until at most this many groups have device-to-host copies in flight
             whose GPU memory is still held, so the memory bound holds even when the host runs
             far ahead of the GPU. A group's copies are issued at the group open after its own
-            close (Note [7] of `offload.copy_queue`) and, with 1, must end by the open after the
+            close (Note [7] of `offload.copy_queue`; after the model's next host sync where the
+            model says where it syncs, Note [9]) and, with 1, must end by the open after the
             next one that issues copies: with one name, about a layer of compute; with several
             names a layer, what runs between their groups. Raise it when the host is the
             bottleneck and several names are offloaded per layer (waits show up as

@@ -62,6 +62,19 @@ Note [8] A second look. A record whose storage something else holds when its gro
     groups' backward is far off, but the copy would end after the step's peak (the backward's
     start) and only add traffic.
 
+Note [9] Copies after a host sync. A model that synchronizes with the host every layer (an MoE
+    token dispatcher reading how many tokens each expert got, with ``.cpu()``) makes a small
+    device-to-host copy there, which the copy engine serves after every offload copy queued
+    before it (Note [7]); on a step the host paces, the host, and with it the step, waits for
+    the rest of those copies at every such sync. A model that says where it syncs
+    (`PipelineOffloadManager.after_host_sync`, called right after the sync: the Megatron
+    integration calls it as each MoE layer's experts start, after the dispatcher's sync) has
+    its decided copies issued there instead, from its chunk forward's first such call on
+    (``ChunkOffloadHandler.host_syncs``): a copy then has until the next sync, a layer later,
+    to end. A group open then issues only the deferred groups of its own name: one is still
+    deferred only when a whole layer went by without a sync (a dense layer of an MoE model),
+    so no group waits for its issue longer than one layer.
+
 The in-flight bound: when a group opens, the compute stream first waits for the oldest copies
 until at most ``max_inflight_groups`` groups hold GPU memory while their copies run
 (`apply_bound`), and only then are the copies decided since the last open issued; so each copy
@@ -201,8 +214,15 @@ class CopyQueue:
         """``group`` will be offloaded; its copies are issued by `launch_deferred` (Note [7])."""
         self.deferred.append(group)
 
-    def launch_deferred(self, bound: bool = True) -> None:
-        """Issue the copies of the groups `defer` holds."""
+    def launch_deferred(self, bound: bool = True, name: str | None = None) -> None:
+        """Issue the copies of the groups `defer` holds (``name``: only that name's, Note [9])."""
+        if name is not None:
+            due = [g for g in self.deferred if g.name == name]
+            if due:
+                self.deferred = [g for g in self.deferred if g.name != name]
+            for group in due:
+                self.offload(group, bound)
+            return
         while self.deferred:
             self.offload(self.deferred.pop(0), bound)
 

@@ -194,7 +194,7 @@ class PipelineOffloadManager:
             return None
         self.copies.apply_bound()  # before the issue: the in-flight bound of offload.copy_queue
         self.copies.offload_released(handler)  # Note [8] of offload.copy_queue
-        self.copies.launch_deferred(bound=False)
+        self.copies.launch_deferred(bound=False, name=name if handler.host_syncs else None)  # Notes [7], [9]
         if self.captures.in_region:
             handler.graphable = True
         group = handler.new_group(name, layer)
@@ -226,6 +226,21 @@ class PipelineOffloadManager:
             self.copies.offload_released(group.handler)  # Note [8] of offload.copy_queue
             self.copies.flush()  # the forward's end: see offload.chunk_lifecycle
         self.copies.poll()
+
+    def after_host_sync(self) -> None:
+        """The model has just synchronized with the host (an MoE dispatcher read its token
+        counts): issue the copies decided since the last issue now, and from now on in this
+        chunk forward here rather than at each group open (Note [9] of offload.copy_queue).
+        Does nothing outside a chunk forward that offloads, in a recompute, and under capture
+        (a graph's copies are its own: Note [C3] of offload.capture)."""
+        handler = self.chunks.forward
+        if (handler is None or handler.capture is not None or self.captures.in_region or self.suspended
+                or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1):
+            return
+        handler.host_syncs = True
+        self.copies.apply_bound()
+        self.copies.offload_released(handler)
+        self.copies.launch_deferred(bound=False)
 
     def on_group_backward_done(self, group: OffloadGroup) -> None:
         """After a group's backward (its inputs' gradient hooks ran: Note [1] of

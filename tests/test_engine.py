@@ -506,24 +506,32 @@ def test_begin_chunk_numbers_microbatches(configure):
     ]
 
 
+def _record_engine_order(manager: Any, monkeypatch: Any) -> list[str]:
+    """A list that records, in order, each copy's NVTX label (``offload/a/L0/...``), each group
+    open (``open a``) and each host sync the model reports (``sync``)."""
+    import offload.nvtx as nv
+
+    order: list[str] = []
+    monkeypatch.setattr(nv, "push", lambda label: order.append(label))
+    real_open, real_sync = manager.open_group, manager.after_host_sync
+    monkeypatch.setattr(manager, "open_group", lambda name: order.append("open " + name) or real_open(name))
+    monkeypatch.setattr(manager, "after_host_sync", lambda: order.append("sync") or real_sync())
+    return order
+
+
+def _layer(name: str, fn: Any, h: torch.Tensor) -> torch.Tensor:
+    """``fn`` in group ``name``; nothing but the group's handle holds its input once it returns."""
+    with offload.group(name, h) as hin:
+        return fn(hin) * 1
+
+
 def test_a_chunk_known_from_its_previous_forward_issues_each_copy_one_layer_earlier(configure, monkeypatch):
     """Note [7] of offload.copy_queue: in a chunk's first forward a group is known not to be the
     last of its name when the next group of its name closes; from its second forward on (the
     previous one says which layer was the last) when it closes itself. Its copies are issued at
     the next group's open either way: a layer earlier from the second forward on, so that at
     the forward's end only the second-to-last layer's copies are in flight. Gradients stay exact."""
-    import offload.nvtx as nv
-
-    manager = configure(["a", "b"])
-    order: list[str] = []
-    monkeypatch.setattr(nv, "push", lambda label: order.append(label))
-    real_open = manager.open_group
-    monkeypatch.setattr(manager, "open_group", lambda name: order.append("open " + name) or real_open(name))
-
-    def layer(name, fn, h):  # nothing but the group's handle holds its input once it returns
-        with offload.group(name, h) as hin:
-            return fn(hin) * 1
-
+    order = _record_engine_order(configure(["a", "b"]), monkeypatch)
     torch.manual_seed(0)
     w = torch.randn(64, requires_grad=True)
     ref = []
@@ -531,8 +539,8 @@ def test_a_chunk_known_from_its_previous_forward_issues_each_copy_one_layer_earl
         order.clear()
         h = w * 1
         for _ in range(4):
-            h = layer("a", torch.sin, h)
-            h = layer("b", torch.cos, h)
+            h = _layer("a", torch.sin, h)
+            h = _layer("b", torch.cos, h)
         h.sum().backward()
         ref.append(w.grad.clone())
         w.grad = None
@@ -553,6 +561,68 @@ def test_a_chunk_known_from_its_previous_forward_issues_each_copy_one_layer_earl
         h = (h.sin() * 1).cos() * 1
     h.sum().backward()
     assert all(torch.equal(g, w_ref.grad) for g in ref)
+
+
+def _issue_points(order: list[str]) -> dict[str, str]:
+    """Each copy out's label -> the engine entry point it was issued from (the last of them
+    before it in ``order``)."""
+    points = {}
+    last = None
+    for item in order:
+        if item.startswith("offload/"):
+            points[item.split("/")[1] + item.split("/")[2]] = last
+        elif not item.startswith("reload/"):
+            last = item
+    return points
+
+
+@pytest.mark.parametrize("sync_layers", [(0, 1, 2, 3), (0,)], ids=["sync_every_layer", "sync_in_layer_0_only"])
+def test_copies_are_issued_after_the_models_host_syncs(configure, monkeypatch, sync_layers):
+    """Note [9] of offload.copy_queue: once the model said it synced with the host in a chunk
+    forward (`offload.after_host_sync`, as an MoE layer's dispatcher does between the norm and
+    the experts), the decided copies are issued there, and a group open issues only deferred
+    groups of its own name: with a sync every layer, every copy is issued at a sync; in layers
+    without one, a group's copies are issued at the next open of its name, a layer on. Outside
+    a forward it does nothing. Gradients stay exact."""
+    manager = configure(["a", "b"])
+    offload.after_host_sync()  # no forward: nothing to do, no error
+    order = _record_engine_order(manager, monkeypatch)
+    torch.manual_seed(0)
+    w = torch.randn(64, requires_grad=True)
+    grads = []
+    for it in range(3):
+        order.clear()
+        h = w * 1
+        for k in range(4):
+            h = _layer("a", torch.sin, h)
+            if k in sync_layers:
+                offload.after_host_sync()
+            h = _layer("b", torch.cos, h)
+        h.sum().backward()
+        grads.append(w.grad.clone())
+        w.grad = None
+        total = offload.end_iteration().total()
+        assert (total.groups_offloaded, total.groups_kept, total.bytes_held_elsewhere) == (6, 2, 0)
+        if it == 0:
+            continue
+        syncs_before = {m: order[:order.index(m)].count("sync") for m in order if m.startswith("offload/")}
+        syncs_before = {m.split("/")[1] + m.split("/")[2]: n for m, n in syncs_before.items()}
+        if len(sync_layers) == 4:  # each group is issued at the first sync after its close
+            assert _issue_points(order) == dict.fromkeys(["aL0", "bL0", "aL1", "bL1", "aL2", "bL2"], "sync")
+            assert syncs_before == {"aL0": 1, "bL0": 2, "aL1": 2, "bL1": 3, "aL2": 3, "bL2": 4}
+        else:  # a/L0 at the only sync; then each group at the next open of its name
+            assert _issue_points(order) == {"aL0": "sync", "bL0": "open b", "aL1": "open a", "bL1": "open b",
+                                            "aL2": "open a", "bL2": "open b"}
+            copies = [m for m in order if m.startswith("offload/")]
+            opens_of_name = {m.split("/")[1] + m.split("/")[2]: order[:order.index(m)].count("open " + m.split("/")[1])
+                             for m in copies}  # X/Lk at the open of X/L(k+1): the (k+2)-th
+            assert opens_of_name == {"aL0": 1, "bL0": 2, "aL1": 3, "bL1": 3, "aL2": 4, "bL2": 4}
+    v = w.detach().clone().requires_grad_(True)
+    h = v * 1
+    for _ in range(4):
+        h = (h.sin() * 1).cos() * 1
+    h.sum().backward()
+    assert all(torch.equal(g, v.grad) for g in grads)
 
 
 def test_a_forward_shorter_than_the_previous_one_offloads_its_last_group_and_stays_exact(configure):

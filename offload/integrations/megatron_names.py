@@ -98,7 +98,9 @@ class ChunkModules:
     names the chunk lacks although it has transformer layers, why. ``covered`` maps a norm
     name whose norm is fused into the next linear layer (Transformer Engine) to the name of
     that layer, which offloads what the norm saves. ``sequential_experts`` lists the
-    SequentialMLP modules (each one ``expert_fc1`` group).
+    SequentialMLP modules (each one ``expert_fc1`` group); ``experts`` every MoE layer's
+    experts module, whose forward starts after the token dispatcher's host sync (where the
+    integration calls `offload.after_host_sync`).
     """
 
     modules: dict[str, list[str]] = field(default_factory=dict)
@@ -106,6 +108,7 @@ class ChunkModules:
     absent: dict[str, str] = field(default_factory=dict)
     covered: dict[str, str] = field(default_factory=dict)
     sequential_experts: list[str] = field(default_factory=list)
+    experts: list[str] = field(default_factory=list)
     num_layers: int = 0
 
     @property
@@ -206,6 +209,8 @@ def find_modules(chunk: nn.Module) -> ChunkModules:
             continue
         if _real(getattr(mlp, "router", None)):
             add("router", m + "router")
+        if _real(experts):
+            found.experts.append(m + "experts")
         local = getattr(experts, "local_experts", None)
         if local is not None:  # SequentialMLP: one MLP per local expert
             add("expert_fc1", m + "experts")

@@ -486,6 +486,45 @@ def test_sequential_expert_fc1_is_one_group_per_layer_and_copies_all_routed_toke
     assert s.bytes_held_elsewhere == 0
 
 
+def test_copies_are_issued_after_each_moe_layers_dispatcher_sync(mg, monkeypatch):
+    """Note [9] of offload.copy_queue: the dispatcher syncs with the host before the experts run;
+    a pre-hook on each layer's experts says so (`offload.after_host_sync`), once per MoE layer
+    and microbatch, and from then on no copy out is issued between a layer's attention and its
+    sync (where the sync's own copy would wait behind it): each is issued at a sync or inside
+    the experts after it (SequentialMLP: one moe_act group per expert, the next expert's open
+    issues the previous one's). Bitwise as without offloading."""
+    import offload.nvtx as nv
+
+    model = build(moe=True, layers=3)
+    handle = mg.apply(model, "core_attn,moe_act", min_tensor_bytes=0, device="cpu")
+    manager = offload.get_manager()
+    order: list[str] = []
+    monkeypatch.setattr(nv, "push", lambda label: order.append(label))
+    real_sync, real_open = manager.after_host_sync, manager.open_group
+    monkeypatch.setattr(manager, "after_host_sync", lambda: order.append("sync") or real_sync())
+    monkeypatch.setattr(manager, "open_group", lambda name: order.append("open " + name) or real_open(name))
+    fb = handle.wrap(fb_no_pipelining())
+
+    def step(**kwargs):
+        order.append("step")
+        return fb(**kwargs)
+
+    ref = train(build(moe=True, layers=3), fb_no_pipelining(), steps=2)
+    assert_bitwise(ref, train(model, step, steps=2))
+    last_step = order[len(order) - order[::-1].index("step"):]
+    assert last_step.count("sync") == 3 * 2
+    copies = [m for m in last_step if m.startswith("offload/")]
+    s = handle.last_stats
+    assert s.by_name["core_attn"].groups_offloaded == 2 * 2  # layers 0 and 1, both microbatches
+    assert s.by_name["moe_act"].groups_offloaded == 2 * (3 * 4 - 1)  # 4 experts a layer, the last kept
+    assert len(copies) == 2 * 2 + 2 * (3 * 4 - 1)
+    issued_after = {m: next(x for x in reversed(last_step[:last_step.index(m)]) if x in ("sync", "open core_attn"))
+                    for m in copies}
+    assert set(issued_after.values()) == {"sync"}, issued_after
+    handle.remove()
+    assert all(not m._forward_pre_hooks for n, m in model.named_modules() if n.endswith("experts"))
+
+
 def test_policy_flag_reaches_the_engine(mg):
     """``--offload-policy layers:0-1``: layer 2's groups are declined, layer 0's offloaded, layer
     1's kept (the last offloadable group before each microbatch's own backward)."""
