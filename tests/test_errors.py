@@ -234,6 +234,7 @@ CUDA_ONLY_SCRIPTS = {
     "graphs": ("benchmarks/graphs.py", ["--out", "out"]),
     "copy_issue": ("benchmarks/copy_issue.py", []),
     "sync_latency": ("benchmarks/sync_latency.py", []),
+    "host_under_copies": ("benchmarks/host_under_copies.py", ["--json", "out/h.json"]),
     "offload.tools.bandwidth": ("offload/tools/bandwidth.py", []),
     "offload.tools.memory": ("offload/tools/memory.py", ["--modules", "core_attn", "--device", "cuda"]),
     "profile_step": ("tools/profile_step.py", ["--out", "out", "--", "examples/megatron_gpt.py"]),

@@ -7,6 +7,7 @@ import runpy
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,6 +110,43 @@ def test_engine_timers_of_a_training_script(tool, tmp_path, capsys):
     assert rows["PipelineOffloadManager.close_group"][3] == "16"
     assert int(rows["PipelineOffloadManager._pack"][3]) > 4
     assert PipelineOffloadManager.__dict__["_pack"] is pack
+
+
+SYNCING = """
+import sys, time
+import torch
+w = torch.nn.Parameter(torch.ones(4))
+opt = torch.optim.SGD([w], lr=0.0)
+for _ in range(int(sys.argv[1])):
+    (w * 2).sum().backward()
+    for _ in range(3):
+        (w * 1).cpu()
+    w.sum().item()
+    time.sleep(0.002)
+    opt.step()
+"""
+
+
+def test_sync_timers_of_a_training_script(tool, tmp_path, capsys):
+    """``--syncs`` runs on the CPU too: between optimizer steps 2 and 5 of a script that calls
+    ``.cpu()`` three times and ``.item()`` once a step and sleeps 2 ms, three steps are measured,
+    each call counted per step, the sleep in the wall time and not in the CPU time, and the
+    wrappers are gone afterwards."""
+    cpu = torch.Tensor.cpu
+    script = tmp_path / "train.py"
+    script.write_text(SYNCING)
+    out = tmp_path / "prof"
+    assert tool["main"](["--syncs", "--first", "2", "--last", "5", "--out", str(out), "--", str(script), "6"]) == 0
+    table = (tmp_path / "prof.syncs.txt").read_text()
+    assert table in capsys.readouterr().out
+    head, *rows = table.splitlines()
+    assert head.startswith("3 steps, medians per step: wall ")
+    wall = float(head.split("wall ")[1].split()[0])
+    cpu_ms = float(head.split("CPU ")[1].split()[0])
+    assert wall >= 2.0 and wall - cpu_ms >= 1.5
+    calls = {r.split()[0]: r.split()[3] for r in rows}
+    assert calls["Tensor.cpu"] == "3" and calls["Tensor.item"] == "1"
+    assert torch.Tensor.cpu is cpu
 
 
 def test_engine_timers_with_too_few_steps_fail(tool, tmp_path, capsys):

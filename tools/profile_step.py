@@ -22,6 +22,11 @@ counted together) starts profiling after step ``--first`` and stops after step `
   on autograd's backward thread) and in Python's garbage collector, per step, with
   `offload.tools.engine_timers`, instead: ``OUT.engine.txt`` (also printed). Its timers cost
   about a microsecond per call: compare two runs under them.
+* ``--syncs``: how long the training loop's thread waits in host syncs (``.cpu()``, ``.item()``,
+  ``.tolist()``, ``synchronize``) per step, with its wall and CPU time, with
+  `offload.tools.sync_timers`, instead: ``OUT.syncs.txt`` (also printed). A sync that waits
+  behind an offload copy in the copy engine's queue (Note [9] of `offload.copy_queue`) shows
+  here, and nowhere else.
 
 The compute stream is the one with the most kernel time. The profiler's own overhead lengthens
 the window on the host side, alike with and without offloading: compare two runs of this tool.
@@ -46,6 +51,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from offload.tools.engine_timers import EngineTimers
+from offload.tools.sync_timers import SyncTimers
 from offload.tools.intervals import Cover, length, union
 from offload.tools.overlap import compute_stream
 from offload.tools.trace_events import GpuOp, timeline_from_torch_events
@@ -122,15 +128,25 @@ def python_table(profile: cProfile.Profile) -> str:
 class StepWindow:
     """Starts profiling after optimizer step ``first`` and stops after step ``last``."""
 
-    def __init__(self, first: int, last: int, out: Path, python: bool, timers: EngineTimers | None = None) -> None:
+    def __init__(self, first: int, last: int, out: Path, python: bool,
+                 timers: EngineTimers | SyncTimers | None = None) -> None:
         self.first, self.last, self.out, self.python = first, last, out, python
-        self.timers = timers  # --engine: installed before the script runs, read here
+        self.timers = timers  # --engine, --syncs: installed before the script runs, read here
         self.steps = 0
         self.profiler: Any = None
         self.done = False
 
     def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.steps += 1
+        if isinstance(self.timers, SyncTimers):
+            if self.steps == self.first:
+                self.timers.clear()
+            elif self.first < self.steps <= self.last:
+                self.timers.step()
+            if self.steps == self.last:
+                self._write(self.out.with_name(self.out.name + ".syncs.txt"), self.timers.table() + "\n")
+                self.done = True
+            return
         if self.timers is not None:
             if self.steps == self.first:
                 self.timers.clear()
@@ -181,16 +197,18 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--python", action="store_true", help="cProfile of the host's Python instead")
     mode.add_argument("--engine", action="store_true",
                       help="host time in the engine's entry points and in the garbage collector instead")
+    mode.add_argument("--syncs", action="store_true",
+                      help="the training loop's wait in host syncs per step, with its wall and CPU time, instead")
     args = p.parse_args(argv[:split])
     script = argv[split + 1:]
     if not script:
         p.error("no script: put it and its arguments after --")
     if not 1 <= args.first < args.last:
         p.error(f"need 1 <= --first < --last (got {args.first} and {args.last})")
-    if not torch.cuda.is_available() and not args.engine:
-        p.exit(2, "profile_step.py: needs CUDA: it profiles the steps' CUDA streams (--engine does not)\n")
+    if not torch.cuda.is_available() and not (args.engine or args.syncs):
+        p.exit(2, "profile_step.py: needs CUDA: it profiles the steps' CUDA streams (--engine and --syncs do not)\n")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    timers = EngineTimers().install() if args.engine else None
+    timers = EngineTimers().install() if args.engine else SyncTimers().install() if args.syncs else None
     window = StepWindow(args.first, args.last, args.out, args.python, timers)
     hook = register_optimizer_step_post_hook(window)
     sys.argv = script

@@ -22,7 +22,7 @@ from offload.stats import StatsRecorder
 
 ENTRY_POINTS: list[tuple[type, list[str]]] = [
     (PipelineOffloadManager, ["open_group", "close_group", "_pack", "_unpack", "on_group_backward_done",
-                              "begin_chunk", "end_iteration"]),
+                              "after_host_sync", "begin_chunk", "end_iteration"]),
     (CopyQueue, ["offload", "reload", "launch_deferred", "apply_bound", "poll", "release_all", "wait_reloaded"]),
     (ChunkLifecycle, ["begin_backward", "end_forward", "retire"]),
     (StatsRecorder, ["collect"]),
