@@ -183,8 +183,9 @@ def after_host_sync() -> None:
     ``.tolist()`` of a GPU tensor: an MoE dispatcher reading its token counts). Call it right
     after a sync the model makes every layer: the copies decided since are issued there, so a
     copy has until the next sync to end, and the sync does not wait behind it in the copy
-    engine's queue (Note [9] of `offload.copy_queue`). The Megatron integration calls it as each
-    MoE layer's experts start. Outside a forward that offloads it does nothing."""
+    engine's queue (Note [9] of `offload.copy_queue`). ``attach(..., host_syncs=patterns)`` calls
+    it as the matched modules' forward starts, the Megatron integration as each MoE layer's
+    experts start. Outside a forward that offloads it does nothing."""
     PipelineOffloadManager.get().after_host_sync()
 
 

@@ -250,6 +250,7 @@ def attach(
     model: nn.Module,
     mapping: Mapping[str, str | Iterable[str]] | str | Sequence[str],
     chunk_id: int = 0,
+    host_syncs: str | Iterable[str] = (),
 ) -> AttachHandle:
     """Make submodules of ``model`` offload groups, without editing the model's code.
 
@@ -260,7 +261,11 @@ def attach(
     or a list): their patterns come from `offload.presets` (docs/hf.md).
     Each matched module's forward becomes a group (its tensor arguments get the backward
     marker). ``model``'s own forward starts a new chunk/microbatch handler (``chunk_id``).
-    The model's parameters are registered as never-offload storages.
+    The model's parameters are registered as never-offload storages. ``host_syncs``: patterns of
+    modules whose forward starts right after a host sync the model makes every layer (an MoE
+    block's experts, after its router's ``.tolist()``); their forward pre-hook calls
+    `offload.after_host_sync`, so that copies are issued after that sync, not queued before it
+    (Note [9] of `offload.copy_queue`).
 
     Raises at once (docs/errors.md): `UnknownModuleError` when a pattern matches nothing,
     `OffloadError` when a module is matched twice, when a name's modules nest in each other
@@ -294,6 +299,7 @@ def attach(
     _check_not_attached(model)
     qualnames = {qn: m for qn, m in model.named_modules() if qn}
     owner = _match(model, qualnames, mapping)
+    syncs = _match_host_syncs(model, qualnames, host_syncs)
     matched = {name: sorted(qn for qn, n in owner.items() if n == name) for name in mapping}
     manager = PipelineOffloadManager.get()
     _warn_unattached(manager.config.modules, set(matched) | manager.declared_names)
@@ -304,6 +310,8 @@ def attach(
     for qn, name in owner.items():
         handle._hooks.extend(_module_hooks(qualnames[qn], name))
         _attached[qualnames[qn]] = (handle, f"as a module of group {name!r}")
+    for qn in syncs:
+        handle._hooks.append(qualnames[qn].register_forward_pre_hook(_after_host_sync, prepend=True))
     _attached[model] = (handle, f"with the groups {', '.join(matched) or '(none)'}")
     _first_forward_pending.add(handle)
 
@@ -364,14 +372,7 @@ def _match(model: nn.Module, qualnames: dict[str, nn.Module],
         hits: dict[str, str] = {}  # module -> the pattern that matched it
         for pattern in patterns:
             check_str(pattern, f"a module pattern of group {name!r} in attach() (fnmatch over module names)")
-            found = [qn for qn in qualnames if fnmatch.fnmatchcase(qn, pattern)]
-            if not found:
-                close = difflib.get_close_matches(pattern, list(qualnames), n=3)
-                hint = f"; close module paths: {', '.join(close)}" if close else ""
-                raise UnknownModuleError(
-                    f"offload: pattern {pattern!r} for group {name!r} matches no submodule of "
-                    f"{type(model).__name__}{hint}"
-                )
+            found = _matching(model, qualnames, pattern, f"for group {name!r}")
             hits.update((qn, pattern) for qn in found if qn not in hits)
         _check_not_nested(name, hits)
         for qn in hits:
@@ -381,6 +382,40 @@ def _match(model: nn.Module, qualnames: dict[str, nn.Module],
                 )
             owner[qn] = name
     return owner
+
+
+def _matching(model: nn.Module, qualnames: dict[str, nn.Module], pattern: str, what: str) -> list[str]:
+    """The qualified names ``pattern`` matches; `UnknownModuleError` (with close paths) if none."""
+    found = [qn for qn in qualnames if fnmatch.fnmatchcase(qn, pattern)]
+    if not found:
+        close = difflib.get_close_matches(pattern, list(qualnames), n=3)
+        hint = f"; close module paths: {', '.join(close)}" if close else ""
+        raise UnknownModuleError(f"offload: pattern {pattern!r} {what} matches no submodule of "
+                                 f"{type(model).__name__}{hint}")
+    return found
+
+
+def _match_host_syncs(model: nn.Module, qualnames: dict[str, nn.Module], host_syncs: str | Iterable[str]) -> list[str]:
+    """The modules ``host_syncs`` matches (attach()'s argument: a pattern or several)."""
+    if isinstance(host_syncs, str) or not isinstance(host_syncs, Iterable):
+        host_syncs = [host_syncs]  # type: ignore[list-item]
+    found: dict[str, None] = {}
+    for pattern in host_syncs:
+        check_str(pattern, "a module pattern of attach()'s host_syncs (fnmatch over module names)")
+        found.update(dict.fromkeys(_matching(model, qualnames, pattern, "in host_syncs")))
+    return list(found)
+
+
+def _after_host_sync(module: nn.Module, args: tuple) -> None:
+    """A ``host_syncs`` module's forward starts: the model has just synced with the host.
+    Traced by torch.compile, it does nothing (as the groups' hooks)."""
+    if not torch.compiler.is_compiling():
+        _report_host_sync()
+
+
+@torch.compiler.disable
+def _report_host_sync() -> None:
+    PipelineOffloadManager.get().after_host_sync()
 
 
 def _check_not_nested(name: str, hits: dict[str, str]) -> None:

@@ -525,46 +525,38 @@ def _layer(name: str, fn: Any, h: torch.Tensor) -> torch.Tensor:
         return fn(hin) * 1
 
 
-def test_a_chunk_known_from_its_previous_forward_issues_each_copy_one_layer_earlier(configure, monkeypatch):
-    """Note [7] of offload.copy_queue: in a chunk's first forward a group is known not to be the
-    last of its name when the next group of its name closes; from its second forward on (the
-    previous one says which layer was the last) when it closes itself. Its copies are issued at
-    the next group's open either way: a layer earlier from the second forward on, so that at
-    the forward's end only the second-to-last layer's copies are in flight. Gradients stay exact."""
-    order = _record_engine_order(configure(["a", "b"]), monkeypatch)
-    torch.manual_seed(0)
-    w = torch.randn(64, requires_grad=True)
-    ref = []
-    for it in range(3):
-        order.clear()
-        h = w * 1
-        for _ in range(4):
-            h = _layer("a", torch.sin, h)
-            h = _layer("b", torch.cos, h)
-        h.sum().backward()
-        ref.append(w.grad.clone())
-        w.grad = None
-        stats = offload.end_iteration()
-        copies = [m for m in order if m.startswith("offload/")]
-        opens_before = {m.split("/")[1] + m.split("/")[2]: order[:order.index(m)].count("open a")
-                        + order[:order.index(m)].count("open b") for m in copies}
-        if it == 0:  # a/L0 is decided when a/L1 closes, issued at b/L1's open (the 4th open)
-            assert opens_before == {"aL0": 4, "bL0": 5, "aL1": 6, "bL1": 7, "aL2": 8, "bL2": 8}
-        else:  # a/L0 is decided when it closes, issued at b/L0's open (the 2nd)
-            assert opens_before == {"aL0": 2, "bL0": 3, "aL1": 4, "bL1": 5, "aL2": 6, "bL2": 7}
-        total = stats.total()
-        assert (total.groups_offloaded, total.groups_kept, total.bytes_held_elsewhere) == (6, 2, 0)
-    torch.manual_seed(0)
-    w_ref = torch.randn(64, requires_grad=True)
-    h = w_ref * 1
+def _ab_step(w: torch.Tensor, sync_layers: tuple[int, ...] = ()) -> torch.Tensor:
+    """One step of 4 layers, each a group ``a`` (sin) then a group ``b`` (cos), with a host sync
+    reported between them in ``sync_layers``; returns ``w``'s gradient (and clears it)."""
+    h = w * 1
+    for k in range(4):
+        h = _layer("a", torch.sin, h)
+        if k in sync_layers:
+            offload.after_host_sync()
+        h = _layer("b", torch.cos, h)
+    h.sum().backward()
+    grad, w.grad = w.grad, None
+    return grad
+
+
+def _ab_reference(w: torch.Tensor) -> torch.Tensor:
+    """`_ab_step`'s gradient without offloading."""
+    v = w.detach().clone().requires_grad_(True)
+    h = v * 1
     for _ in range(4):
         h = (h.sin() * 1).cos() * 1
     h.sum().backward()
-    assert all(torch.equal(g, w_ref.grad) for g in ref)
+    return v.grad
+
+
+def _before_each_copy(order: list[str], *items: str) -> dict[str, int]:
+    """Each copy out (``aL0`` for ``offload/a/L0/...``) -> how many of ``items`` came before it."""
+    return {m.split("/")[1] + m.split("/")[2]: sum(order[:i].count(x) for x in items)
+            for i, m in enumerate(order) if m.startswith("offload/")}
 
 
 def _issue_points(order: list[str]) -> dict[str, str]:
-    """Each copy out's label -> the engine entry point it was issued from (the last of them
+    """Each copy out (``aL0``) -> the engine entry point it was issued from (the last of them
     before it in ``order``)."""
     points = {}
     last = None
@@ -574,6 +566,27 @@ def _issue_points(order: list[str]) -> dict[str, str]:
         elif not item.startswith("reload/"):
             last = item
     return points
+
+
+def test_a_chunk_known_from_its_previous_forward_issues_each_copy_one_layer_earlier(configure, monkeypatch):
+    """Note [7] of offload.copy_queue: in a chunk's first forward a group is known not to be the
+    last of its name when the next group of its name closes; from its second forward on (the
+    previous one says which layer was the last) when it closes itself. Its copies are issued at
+    the next group's open either way: a layer earlier from the second forward on, so that at
+    the forward's end only the second-to-last layer's copies are in flight. Gradients stay exact."""
+    order = _record_engine_order(configure(["a", "b"]), monkeypatch)
+    torch.manual_seed(0)
+    w = torch.randn(64, requires_grad=True)
+    for it in range(3):
+        order.clear()
+        assert torch.equal(_ab_step(w), _ab_reference(w))
+        total = offload.end_iteration().total()
+        assert (total.groups_offloaded, total.groups_kept, total.bytes_held_elsewhere) == (6, 2, 0)
+        opens_before = _before_each_copy(order, "open a", "open b")
+        if it == 0:  # a/L0 is decided when a/L1 closes, issued at b/L1's open (the 4th open)
+            assert opens_before == {"aL0": 4, "bL0": 5, "aL1": 6, "bL1": 7, "aL2": 8, "bL2": 8}
+        else:  # a/L0 is decided when it closes, issued at b/L0's open (the 2nd)
+            assert opens_before == {"aL0": 2, "bL0": 3, "aL1": 4, "bL1": 5, "aL2": 6, "bL2": 7}
 
 
 @pytest.mark.parametrize("sync_layers", [(0, 1, 2, 3), (0,)], ids=["sync_every_layer", "sync_in_layer_0_only"])
@@ -589,40 +602,67 @@ def test_copies_are_issued_after_the_models_host_syncs(configure, monkeypatch, s
     order = _record_engine_order(manager, monkeypatch)
     torch.manual_seed(0)
     w = torch.randn(64, requires_grad=True)
-    grads = []
     for it in range(3):
         order.clear()
-        h = w * 1
-        for k in range(4):
-            h = _layer("a", torch.sin, h)
-            if k in sync_layers:
-                offload.after_host_sync()
-            h = _layer("b", torch.cos, h)
-        h.sum().backward()
-        grads.append(w.grad.clone())
-        w.grad = None
+        assert torch.equal(_ab_step(w, sync_layers), _ab_reference(w))
         total = offload.end_iteration().total()
         assert (total.groups_offloaded, total.groups_kept, total.bytes_held_elsewhere) == (6, 2, 0)
         if it == 0:
             continue
-        syncs_before = {m: order[:order.index(m)].count("sync") for m in order if m.startswith("offload/")}
-        syncs_before = {m.split("/")[1] + m.split("/")[2]: n for m, n in syncs_before.items()}
         if len(sync_layers) == 4:  # each group is issued at the first sync after its close
             assert _issue_points(order) == dict.fromkeys(["aL0", "bL0", "aL1", "bL1", "aL2", "bL2"], "sync")
-            assert syncs_before == {"aL0": 1, "bL0": 2, "aL1": 2, "bL1": 3, "aL2": 3, "bL2": 4}
-        else:  # a/L0 at the only sync; then each group at the next open of its name
+            assert _before_each_copy(order, "sync") == {"aL0": 1, "bL0": 2, "aL1": 2, "bL1": 3, "aL2": 3, "bL2": 4}
+        else:  # a/L0 at the only sync; then X/Lk at the open of X/L(k+1), the (k+2)-th of its name
             assert _issue_points(order) == {"aL0": "sync", "bL0": "open b", "aL1": "open a", "bL1": "open b",
                                             "aL2": "open a", "bL2": "open b"}
-            copies = [m for m in order if m.startswith("offload/")]
-            opens_of_name = {m.split("/")[1] + m.split("/")[2]: order[:order.index(m)].count("open " + m.split("/")[1])
-                             for m in copies}  # X/Lk at the open of X/L(k+1): the (k+2)-th
+            opens_of_name = {k: n for item in ("open a", "open b")
+                             for k, n in _before_each_copy(order, item).items() if k[0] == item[-1]}
             assert opens_of_name == {"aL0": 1, "bL0": 2, "aL1": 3, "bL1": 3, "aL2": 4, "bL2": 4}
-    v = w.detach().clone().requires_grad_(True)
-    h = v * 1
-    for _ in range(4):
-        h = (h.sin() * 1).cos() * 1
-    h.sum().backward()
-    assert all(torch.equal(g, v.grad) for g in grads)
+
+
+class _SyncingLayer(nn.Module):
+    """attention (group ``a``), a router that reads its counts on the host, experts (group ``b``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.Linear(16, 16)
+        self.experts = nn.Linear(16, 16)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = torch.sin(self.attn(h * 1)) * 1  # what attn saves is ours alone once it returns
+        (h > 0).sum().tolist()  # the router's host sync
+        return torch.cos(self.experts(h)) * 1
+
+
+def test_attach_host_syncs_reports_each_sync_and_copies_follow_it(configure, monkeypatch):
+    """``attach(..., host_syncs=patterns)``: each matched module's forward pre-hook reports a
+    host sync (Note [9] of offload.copy_queue), once per layer, and after a first step no copy
+    out is issued between a layer's attention and its sync. A pattern that matches nothing
+    raises at once with nothing attached; `remove` takes the hooks away. Gradients exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_SyncingLayer() for _ in range(4)])
+    ref = copy.deepcopy(model)
+    manager = configure(["a", "b"])
+    mapping = {"a": "*.attn", "b": "*.experts"}
+    with pytest.raises(offload.UnknownModuleError, match="'\\*.router' in host_syncs matches no submodule"):
+        offload.attach(model, mapping, host_syncs=["*.experts", "*.router"])
+    assert all(not m._forward_pre_hooks for m in model.modules())
+    handle = offload.attach(model, mapping, host_syncs="*.experts")
+    order = _record_engine_order(manager, monkeypatch)
+    x = torch.randn(8, 16)
+    for _ in range(2):
+        order.clear()
+        model(x).sum().backward()
+        offload.end_iteration()
+    assert order.count("sync") == 4
+    copies = [m for m in order if m.startswith("offload/")]
+    assert sorted(copies) == sorted(f"offload/{n}/L{k}/mb0" for n in "ab" for k in range(3))  # the last layer kept
+    issued_after = {m: next(x for x in reversed(order[:order.index(m)]) if x in ("sync", "open a")) for m in copies}
+    assert set(issued_after.values()) == {"sync"}, issued_after
+    ref(x).sum().backward()
+    assert all(torch.equal(p.grad, q.grad / 2) for p, q in zip(ref.parameters(), model.parameters()))
+    handle.remove()
+    assert all(not m._forward_pre_hooks for m in model.modules())
 
 
 def test_a_forward_shorter_than_the_previous_one_offloads_its_last_group_and_stays_exact(configure):

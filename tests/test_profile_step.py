@@ -1,10 +1,12 @@
 """tools/profile_step.py: its summary of a profiler trace, on a trace made up here, and its
-argument checks (the profiling itself needs CUDA: tests/test_errors.py checks that it says so)."""
+argument checks (the profiling itself needs CUDA: tests/test_errors.py checks that it says so),
+and its --engine and --syncs timers, which run on the CPU too."""
 
 from __future__ import annotations
 
 import runpy
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -90,6 +92,20 @@ for _ in range(int(sys.argv[1])):
 '''
 
 
+def _table_of(tool: dict, tmp_path: Path, capsys: Any, script_text: str, mode: str, first: int, last: int,
+              steps: int) -> str:
+    """Run ``script_text`` (``steps`` optimizer steps) under the tool in ``mode`` (``--engine``,
+    ``--syncs``) between steps ``first`` and ``last``; the table it wrote, checked as printed too."""
+    script = tmp_path / "train.py"
+    script.write_text(script_text)
+    argv = [mode, "--first", str(first), "--last", str(last), "--out", str(tmp_path / "prof"), "--", str(script),
+            str(steps)]
+    assert tool["main"](argv) == 0
+    table = (tmp_path / f"prof.{mode[2:]}.txt").read_text()
+    assert table in capsys.readouterr().out
+    return table
+
+
 def test_engine_timers_of_a_training_script(tool, tmp_path, capsys):
     """``--engine`` runs on the CPU too: between optimizer steps 2 and 4 of a script whose steps
     run 2 layers of the 8 names `attach` maps (2 of them offloaded), the engine's entry points
@@ -98,12 +114,7 @@ def test_engine_timers_of_a_training_script(tool, tmp_path, capsys):
     from offload.manager import PipelineOffloadManager
 
     pack = PipelineOffloadManager.__dict__["_pack"]
-    script = tmp_path / "train.py"
-    script.write_text(TRAIN)
-    out = tmp_path / "prof"
-    assert tool["main"](["--engine", "--first", "2", "--last", "4", "--out", str(out), "--", str(script), "5"]) == 0
-    table = (tmp_path / "prof.engine.txt").read_text()
-    assert table in capsys.readouterr().out
+    table = _table_of(tool, tmp_path, capsys, TRAIN, "--engine", 2, 4, steps=5)
     assert table.startswith("python gc per step: gen0 ")
     rows = {line.split()[0]: line.split() for line in table.splitlines()[2:]}
     assert rows["PipelineOffloadManager.open_group"][3] == "16"  # calls per step
@@ -133,12 +144,7 @@ def test_sync_timers_of_a_training_script(tool, tmp_path, capsys):
     each call counted per step, the sleep in the wall time and not in the CPU time, and the
     wrappers are gone afterwards."""
     cpu = torch.Tensor.cpu
-    script = tmp_path / "train.py"
-    script.write_text(SYNCING)
-    out = tmp_path / "prof"
-    assert tool["main"](["--syncs", "--first", "2", "--last", "5", "--out", str(out), "--", str(script), "6"]) == 0
-    table = (tmp_path / "prof.syncs.txt").read_text()
-    assert table in capsys.readouterr().out
+    table = _table_of(tool, tmp_path, capsys, SYNCING, "--syncs", 2, 5, steps=6)
     head, *rows = table.splitlines()
     assert head.startswith("3 steps, medians per step: wall ")
     wall = float(head.split("wall ")[1].split()[0])

@@ -309,7 +309,7 @@ class MegatronOffload:
                 for mlp, fc1, fc2 in found.act_regions.get(name, ()):
                     self._hooks.extend(_act_region_hooks(name, modules[mlp], modules[fc1], modules[fc2]))
         for experts in found.experts:  # after the token dispatcher's host sync: Note [9] of offload.copy_queue
-            self._hooks.append(modules[experts].register_forward_pre_hook(_after_dispatch))
+            self._hooks.append(modules[experts].register_forward_pre_hook(_after_dispatch, prepend=True))
         if "expert_fc1" in self.names:
             # a SequentialMLP's expert_fc1 group holds only the fc1s: the activations and fc2s
             # inside it are their own groups or never-offload regions
