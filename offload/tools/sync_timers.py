@@ -42,20 +42,22 @@ class SyncTimers:
         self.totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])  # label -> [seconds, calls]
         self.steps: list[tuple[float, float, float]] = []  # per step: wall, thread CPU, in syncs (seconds)
         self._thread = threading.get_ident()
-        self._originals: list[tuple[Any, str, Any]] = []
+        self._originals: list[tuple[Any, str, Any]] = []  # (owner, name, its own attribute or None: inherited)
         self._mark: tuple[float, float, float] | None = None
 
     def install(self) -> "SyncTimers":
         self._thread = threading.get_ident()
         for owner, name, label in SYNC_CALLS:
-            real = getattr(owner, name)
-            self._originals.append((owner, name, real))
-            setattr(owner, name, self._timed(real, label))
+            self._originals.append((owner, name, vars(owner).get(name)))
+            setattr(owner, name, self._timed(getattr(owner, name), label))
         return self
 
     def remove(self) -> None:
-        for owner, name, real in reversed(self._originals):
-            setattr(owner, name, real)
+        for owner, name, own in reversed(self._originals):
+            if own is None:
+                delattr(owner, name)  # inherited (``Tensor.cpu`` is ``TensorBase``'s): inherit again
+            else:
+                setattr(owner, name, own)
         self._originals.clear()
 
     def clear(self) -> None:
