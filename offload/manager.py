@@ -192,9 +192,7 @@ class PipelineOffloadManager:
         if policy is not None and not policy(handler.group_info(name, layer, self.order.plan)):
             self.stats[name].groups_declined += 1
             return None
-        self.copies.apply_bound()  # before the issue: the in-flight bound of offload.copy_queue
-        self.copies.offload_released(handler)  # Note [8] of offload.copy_queue
-        self.copies.launch_deferred(bound=False, name=name if handler.host_syncs else None)  # Notes [7], [9]
+        self._issue_decided(handler, name if handler.host_syncs else None)  # Notes [7], [9]
         if self.captures.in_region:
             handler.graphable = True
         group = handler.new_group(name, layer)
@@ -238,9 +236,15 @@ class PipelineOffloadManager:
                 or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1):
             return
         handler.host_syncs = True
+        self._issue_decided(handler)
+
+    def _issue_decided(self, handler: ChunkOffloadHandler, name: str | None = None) -> None:
+        """Issue the copies decided since the last issue (only ``name``'s groups, if given):
+        the in-flight bound first, then the second look at ``handler``'s held records (Note [8]
+        of offload.copy_queue), then the deferred groups (Notes [7], [9])."""
         self.copies.apply_bound()
         self.copies.offload_released(handler)
-        self.copies.launch_deferred(bound=False)
+        self.copies.launch_deferred(bound=False, name=name)
 
     def on_group_backward_done(self, group: OffloadGroup) -> None:
         """After a group's backward (its inputs' gradient hooks ran: Note [1] of

@@ -89,9 +89,10 @@ mapped.
 
 Every Megatron token dispatcher reads the token counts per expert on the host before the experts
 run (the allgather dispatcher's ``.cpu()``, the others' ``_maybe_dtoh_and_synchronize``): a host
-sync per MoE layer. A forward pre-hook on each layer's experts module calls
-`offload.after_host_sync`, so the copies are issued right after that sync, not before it where
-the sync's own small copy would wait behind them (Note [9] of `offload.copy_queue`).
+sync per MoE layer. Each layer's experts module is attached as a host sync
+(``attach(..., host_syncs=...)``: its forward pre-hook calls `offload.after_host_sync`), so the
+copies are issued right after that sync, not before it where the sync's own small copy would
+wait behind them (Note [9] of `offload.copy_queue`).
 
 Composition with selective recompute (``--recompute-granularity selective --recompute-modules``).
 Megatron runs a recomputed region under ``torch.no_grad`` (``tensor_parallel.checkpoint`` for
@@ -233,12 +234,6 @@ def _act_region_hooks(name: str | None, mlp: nn.Module, fc1: nn.Module, fc2: nn.
     ]
 
 
-def _after_dispatch(module: nn.Module, args: tuple) -> None:
-    """An MoE layer's experts start: the token dispatcher has just read the token counts per
-    expert on the host (every Megatron dispatcher syncs before the experts run)."""
-    offload.after_host_sync()
-
-
 def _never_offload_hooks(module: nn.Module) -> list[Any]:
     """Nothing that ``module``'s forward saves is offloaded (it runs as a never-offload region)."""
     open_regions: list[offload.never_offload] = []
@@ -301,15 +296,15 @@ class MegatronOffload:
         # a covered norm has no group of its own: its covering name's groups hold what it saves
         offload.get_manager().declare_names(found.names | set(self.regions)
                                             | {n for n, by in found.covered.items() if by in self.names})
-        self._attached.append(offload.attach(chunk, mapping, chunk_id=chunk_id))
+        # after the token dispatcher's host sync: Note [9] of offload.copy_queue
+        syncs = module_patterns(found.experts, all_names) if found.experts else ()
+        self._attached.append(offload.attach(chunk, mapping, chunk_id=chunk_id, host_syncs=syncs))
         self.mapping.append(mapping)
         modules = dict(chunk.named_modules())
         for name in _ACT_NAMES:
             if name in self.names:
                 for mlp, fc1, fc2 in found.act_regions.get(name, ()):
                     self._hooks.extend(_act_region_hooks(name, modules[mlp], modules[fc1], modules[fc2]))
-        for experts in found.experts:  # after the token dispatcher's host sync: Note [9] of offload.copy_queue
-            self._hooks.append(modules[experts].register_forward_pre_hook(_after_dispatch, prepend=True))
         if "expert_fc1" in self.names:
             # a SequentialMLP's expert_fc1 group holds only the fc1s: the activations and fc2s
             # inside it are their own groups or never-offload regions
