@@ -153,6 +153,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vpp", type=int, default=1, help="model chunks per stage (interleaved if > 1)")
     p.add_argument("--interleaved", action="store_true",
                    help="use the interleaved schedule even with --vpp 1 (virtual size 1)")
+    p.add_argument("--no-overlap-p2p-communication", dest="overlap_p2p_comm", action="store_false",
+                   help="with --vpp > 1, batched pipeline sends and receives followed by a device "
+                        "synchronize, instead of Megatron-LM's default for the interleaved schedule "
+                        "(sends and receives overlapped with compute)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--fp32", action="store_true", help="fp32 instead of bf16 (always on the CPU)")
     p.add_argument("--fp8", choices=sorted(FP8_RECIPES), default=None,
@@ -294,6 +298,16 @@ def offload_modules(args: argparse.Namespace) -> tuple[str, ...]:
     return megatron_offload.Options.from_args(args).modules
 
 
+def p2p_kwargs(args: argparse.Namespace) -> dict:
+    """How pipeline stages exchange tensors, as Megatron-LM's training sets it (``validate_args``):
+    with the interleaved schedule (``--vpp`` > 1), sends and receives overlap compute unless
+    ``--no-overlap-p2p-communication``; otherwise they are batched, and megatron-core follows
+    each batch with ``torch.cuda.synchronize()`` (``batch_p2p_sync``), which waits for every
+    stream of the device, offloading's copies included."""
+    overlap = args.vpp > 1 and args.overlap_p2p_comm
+    return {"overlap_p2p_comm": overlap, "batch_p2p_comm": not overlap}
+
+
 def config_kwargs(args: argparse.Namespace) -> dict:
     """The ``TransformerConfig`` fields the flags set."""
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -308,6 +322,7 @@ def config_kwargs(args: argparse.Namespace) -> dict:
         bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
         pipeline_model_parallel_size=args.pp, virtual_pipeline_model_parallel_size=virtual,
         use_cpu_initialization=args.device == "cpu", normalization=args.normalization,
+        **p2p_kwargs(args),
     )
     if "transformer_impl" in fields:
         kw["transformer_impl"] = args.transformer_impl
@@ -579,6 +594,7 @@ def main(argv: list[str] | None = None) -> int:
                                                  "micro_batch_size", "microbatches", "vocab", "experts", "topk",
                                                  "moe_ffn", "mla", "swiglu", "normalization")},
         "pp": args.pp, "vpp": args.vpp, "interleaved": args.vpp > 1 or args.interleaved,
+        "overlap_p2p_comm": p2p_kwargs(args)["overlap_p2p_comm"],
         "offload_modules": list(offload_modules(args)),
         "offload_policy": args.offload_policy,
         "offload_memory_budget": str(megatron_offload.Options.from_args(args).memory_budget or "") or None,

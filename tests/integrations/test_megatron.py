@@ -438,8 +438,9 @@ def _run_example(tmp_path, name: str, world: int, argv: list[str]) -> dict:
       "--interleaved"], "core_attn,expert_fc1,moe_act"),
 ], ids=["pp2-vpp1", "pp2-vpp2", "moe-pp2-interleaved-vpp1"])
 def test_example_pipelined_on_two_processes_is_bitwise_equal(tmp_path, argv, names):
-    """Megatron's own 1F1B and interleaved schedules over gloo: the engine is handed the order
-    Megatron runs (it checks every chunk forward against it), and training is bitwise equal.
+    """Megatron's own 1F1B and interleaved schedules over gloo (with VPP=2, sends and receives
+    overlapped with compute, as Megatron-LM trains): the engine is handed the order Megatron
+    runs (it checks every chunk forward against it), and training is bitwise equal.
     ``attn_norm`` (two layers a chunk): ``GPTModel.forward`` holds the embedding's output, the
     first layer's input, until it returns, so its first group finds it held elsewhere when its
     copies are issued; another chunk's forward or backward follows, and the second look (Note
@@ -449,6 +450,7 @@ def test_example_pipelined_on_two_processes_is_bitwise_equal(tmp_path, argv, nam
     got = _run_example(tmp_path, "offload", 2, [*argv, f"--offload-modules={names}"])
     assert ref["ok"] and got["ok"]
     assert got["offload_modules"] == names.split(",")
+    assert got["overlap_p2p_comm"] is (argv[argv.index("--vpp") + 1] != "1")  # Megatron-LM's default
     assert ref["loss_hex"] == got["loss_hex"] and len(ref["loss_hex"]) == 3
     assert ref["param_sha256"] == got["param_sha256"]
     for rank in got["per_rank"]:

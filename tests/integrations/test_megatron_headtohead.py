@@ -228,6 +228,22 @@ def test_example_flags_that_need_transformer_engine_say_so(example, capsys):
         assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, overlap", [
+    (["--pp", "2", "--vpp", "2"], True),
+    (["--pp", "2", "--vpp", "2", "--no-overlap-p2p-communication"], False),
+    (["--pp", "2", "--vpp", "1"], False),
+    (["--pp", "2", "--vpp", "1", "--interleaved"], False),
+    ([], False),
+], ids=["vpp2", "vpp2-no-overlap", "vpp1", "interleaved-vpp1", "no-pipeline"])
+def test_example_exchanges_pipeline_tensors_as_megatron_lm_trains(example, argv, overlap):
+    """Megatron-LM's training overlaps the interleaved schedule's sends and receives with
+    compute and batches the others (each batch followed by a device synchronize, which waits
+    for offloading's copies too); the example's config does the same, and its JSON says which."""
+    args = example.parse_args(["--device", "cpu", "--model", "gpt", *argv])
+    kw = example.config_kwargs(args)
+    assert (kw["overlap_p2p_comm"], kw["batch_p2p_comm"]) == (overlap, not overlap)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--offload-modules=core_attn", "--system", "megatron"], "it needs --system offload and --offload-modules"),
     ([], "it needs --system offload and --offload-modules"),
