@@ -9,8 +9,8 @@
 
 A complete training loop the way Megatron-LM runs one: megatron-core's local layer spec or its
 Transformer Engine spec (``--transformer-impl``), ``Float16Module`` for bf16, Megatron's own
-``forward_backward_func`` (no pipelining, 1F1B, or the interleaved schedule with ``--vpp``), an
-AdamW step. Offloading is three lines: `add_arguments` on the parser, `apply_from_args` on the
+``forward_backward_func`` (no pipelining, 1F1B, or the interleaved schedule with ``--vpp``, its
+sends and receives set as Megatron-LM sets them: `p2p_kwargs`), an AdamW step. Offloading is three lines: `add_arguments` on the parser, `apply_from_args` on the
 model chunks, ``.wrap`` on the schedule function. Without ``--offload-modules`` they change
 nothing. ``--offload-modules=auto`` with ``--offload-memory-budget`` (or
 ``--offload-memory-budget-gib``) lets the planner choose names and recompute under the budget on
