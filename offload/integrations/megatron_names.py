@@ -1,8 +1,9 @@
 """The offload names on megatron-core layers: what each name means, where it is in a model chunk
 (`find_modules`, on the local and the Transformer Engine layer specs, dense, MoE and MLA), and
 the checks that refuse a name where it would offload nothing or break Megatron (`check_compatible`,
-`to_megatron_names`) or warn about a setting that slows it (`warn_synchronizing_exchanges`). `offload.integrations.megatron` attaches the groups these find; the table
-of names with their meaning is in that module's docstring and docs/megatron.md."""
+`to_megatron_names`) or warn about a setting that slows it (`warn_synchronizing_exchanges`).
+`offload.integrations.megatron` attaches the groups these find; the table of names with their
+meaning is in that module's docstring and docs/megatron.md."""
 
 from __future__ import annotations
 
@@ -302,7 +303,8 @@ def warn_synchronizing_exchanges(config: Any) -> None:
     *Exchanges that synchronize the device*). 1F1B has no other way in Megatron-LM: not warned."""
     pipeline = getattr(config, "pipeline_model_parallel_size", 1) or 1
     virtual = getattr(config, "virtual_pipeline_model_parallel_size", None) or 1
-    if pipeline > 1 and virtual > 1 and getattr(config, "batch_p2p_comm", False) and getattr(config, "batch_p2p_sync", True):
+    synchronizes = getattr(config, "batch_p2p_comm", False) and getattr(config, "batch_p2p_sync", True)
+    if pipeline > 1 and virtual > 1 and synchronizes:
         say_once("synchronizing_exchanges", (
             "offload: the interleaved pipeline schedule runs with batch_p2p_comm and batch_p2p_sync, so "
             "megatron-core synchronizes the device after each exchange, which waits for the offload copies "
