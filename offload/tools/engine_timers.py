@@ -11,6 +11,7 @@ under the timers, not a run under them with one without.
 from __future__ import annotations
 
 import gc
+import threading
 import time
 from collections import defaultdict
 from typing import Any
@@ -30,6 +31,24 @@ ENTRY_POINTS: list[tuple[type, list[str]]] = [
 """The (class, method names) timed."""
 
 
+def timed(real: Any, totals: dict[str, list[float]], label: str, thread: int | None = None) -> Any:
+    """``real`` wrapped to add its ``perf_counter`` seconds and one call to ``totals[label]``
+    (``[seconds, calls]``); with ``thread``, only calls made on that thread are counted."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if thread is not None and threading.get_ident() != thread:
+            return real(*args, **kwargs)
+        t0 = time.perf_counter()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            entry = totals[label]
+            entry[0] += time.perf_counter() - t0
+            entry[1] += 1
+
+    return wrapper
+
+
 class EngineTimers:
     """Install with `install`, read per-step totals with `table`, take the wrappers off with
     `remove`. `clear` starts a new window (the totals so far are dropped)."""
@@ -46,7 +65,7 @@ class EngineTimers:
             for name in names:
                 real = owner.__dict__[name]
                 self._originals.append((owner, name, real))
-                setattr(owner, name, self._timed(real, f"{owner.__name__}.{name}"))
+                setattr(owner, name, timed(real, self.totals, f"{owner.__name__}.{name}"))
         gc.callbacks.append(self._on_gc)
         return self
 
@@ -62,19 +81,6 @@ class EngineTimers:
         self.gc_collections = [0, 0, 0]
         self.gc_seconds = [0.0, 0.0, 0.0]
 
-    def _timed(self, real: Any, name: str) -> Any:
-        totals = self.totals
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return real(*args, **kwargs)
-            finally:
-                entry = totals[name]
-                entry[0] += time.perf_counter() - t0
-                entry[1] += 1
-
-        return timed
 
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":

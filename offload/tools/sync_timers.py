@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from offload.tools.engine_timers import timed
+
 SYNC_CALLS: list[tuple[Any, str, str]] = [
     (torch.Tensor, "cpu", "Tensor.cpu"),
     (torch.Tensor, "item", "Tensor.item"),
@@ -49,7 +51,7 @@ class SyncTimers:
         self._thread = threading.get_ident()
         for owner, name, label in SYNC_CALLS:
             self._originals.append((owner, name, vars(owner).get(name)))
-            setattr(owner, name, self._timed(getattr(owner, name), label))
+            setattr(owner, name, timed(getattr(owner, name), self.totals, label, self._thread))
         return self
 
     def remove(self) -> None:
@@ -74,22 +76,6 @@ class SyncTimers:
 
     def _now(self) -> tuple[float, float, float]:
         return time.perf_counter(), time.thread_time(), sum(seconds for seconds, _ in self.totals.values())
-
-    def _timed(self, real: Any, label: str) -> Any:
-        totals, thread = self.totals, self._thread
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() != thread:
-                return real(*args, **kwargs)
-            t0 = time.perf_counter()
-            try:
-                return real(*args, **kwargs)
-            finally:
-                entry = totals[label]
-                entry[0] += time.perf_counter() - t0
-                entry[1] += 1
-
-        return timed
 
     def table(self) -> str:
         """Medians per step (wall, the thread's CPU, in syncs), then each call's total per step."""
