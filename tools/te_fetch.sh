@@ -15,7 +15,7 @@
 #                           the GPU machine's torch (pip serves that exact build), Python 3.12
 #   te_bundle.tar           everything above in one file
 #   cu13.part_aa, _ab, ...  transformer-engine-cu13 (the 276.5 MB core library) in parts of
-#                           PART_MIB (60) MiB: one device call carries at most 64 MiB
+#                           PART_MIB (52) MiB: one device call carries at most 64 MiB, the tree included
 #   SHA256SUMS              sums of the whole cu13 wheel, the bundle and every part
 #   timings.txt             seconds per step of the last run
 #   plan.txt                the device calls to make, in order (printed at the end too)
@@ -30,8 +30,8 @@ ROOT=$PWD
 TE_VERSION=2.20.2
 TORCH_VERSION=2.11.0          # the GPU machine's torch (2.11.0+cu130)
 PYTHON=${PYTHON:-python3}
-PART_MIB=${PART_MIB:-60}
-CARRY_MIB=63                  # what one device call may carry, with a little room
+PART_MIB=${PART_MIB:-52}
+CARRY_MIB=56                  # what one device call may carry: 64 MiB less room for the working tree (about 5 MiB)
 D=${TE_DIR:-.te}
 PREBUILD=0
 for arg in "$@"; do
