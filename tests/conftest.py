@@ -76,7 +76,7 @@ def deterministic():
 @pytest.fixture(scope="module")
 def megatron_cpu():
     """Patch megatron-core for the CPU and start gloo with world size 1 (for a test module;
-    the patches are in tests/integrations/megatron_cpu.py, shared with spawned workers)."""
+    the patches are in tests/integrations/megatron_cpu.py, shared with the ranks of its run_example)."""
     from megatron.core import parallel_state
     from megatron_cpu import apply_cpu_patches, free_port  # tests/integrations, on sys.path there
 

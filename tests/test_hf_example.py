@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -30,8 +31,16 @@ def example():
     return module
 
 
-def _run(*args: str) -> str:
+def _run(*args: str, one_rank: bool = False) -> str:
+    """The example as a user runs it: each training run in a child process of its own. With
+    ``one_rank``, in the environment ``torchrun --nproc-per-node 1`` gives its rank: both runs in
+    that one process (for the tests of a feature, without two more interpreters to start)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    if one_rank:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     out = subprocess.run([sys.executable, "examples/hf_finetune.py", "--device", "cpu", *args], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -52,12 +61,13 @@ def test_hf_finetune_llama_and_qwen3_moe(tmp_path):
 
 
 def test_hf_finetune_fsdp2():
-    out = _run("--model", "llama", "--fsdp2", "--steps", "2", "--offload-modules", "core_attn,fc1,fc2")
+    out = _run("--model", "llama", "--fsdp2", "--steps", "2", "--offload-modules", "core_attn,fc1,fc2", one_rank=True)
     assert "FSDP2" in out and "losses and weights bitwise equal: True" in out
 
 
 def test_hf_finetune_plan_at_a_budget(tmp_path):
-    out = _run("--model", "llama", "--steps", "3", "--memory-budget=-30%", "--json", str(tmp_path / "hf.json"))
+    out = _run("--model", "llama", "--steps", "3", "--memory-budget=-30%", "--json", str(tmp_path / "hf.json"),
+               one_rank=True)
     assert "Plan for a memory budget" in out and "losses and weights bitwise equal: True" in out
     [record] = json.loads((tmp_path / "hf.json").read_text())["records"]
     assert record["names"].startswith("plan at -30% among attn_norm,core_attn,attn_proj,mlp_norm,mlp_act,fc2: offload ")
@@ -69,7 +79,7 @@ def test_hf_finetune_gradient_checkpointing_offloads_the_layer_inputs():
     """Both runs checkpoint every layer; ``layer`` offloads what the checkpoints keep (4 layers:
     layer 0's input is held by the model's forward, layer 3's kept, two of [2, 16, 64] fp32)."""
     out = _run("--model", "llama", "--steps", "2", "--layers", "4", "--gradient-checkpointing",
-               "--offload-modules", "layer,core_attn")
+               "--offload-modules", "layer,core_attn", one_rank=True)
     assert "gradient checkpointing; offloaded names: layer,core_attn" in out
     assert "losses and weights bitwise equal: True" in out
     assert [line.split()[-1] for line in out.splitlines() if line.startswith("offload ")] == [f"{16384 / 2**20:.2f}"]

@@ -1,8 +1,8 @@
 """Test-only patches that let megatron-core run a small GPT on the CPU (gloo).
 
 megatron-core assumes CUDA in a few places that a CPU test reaches. These test-only patches
-(applied by the conftest for the test module and undone after it, and in the spawned workers
-of the pipeline test) make a small GPT and a small MoE GPT run forward and backward on the
+(applied by the conftest for the test module and undone after it, and in the ranks of
+``run_example``) make a small GPT and a small MoE GPT run forward and backward on the
 CPU; none of them changes what the model computes:
 
 1. ``GlobalMemoryBuffer.get_tensor`` allocates its scratch buffer on CUDA: allocate on the CPU.
@@ -114,18 +114,54 @@ def example_worker_main(argv: list[str], pipeline: bool = False) -> int:
     return example.main(argv)
 
 
-def example_worker(rank: int, world: int, port: int, argv: list[str]) -> None:
-    """One rank of ``examples/megatron_gpt.py`` on the CPU (target of ``torch.multiprocessing.spawn``)."""
+def example_worker(rank: int, world: int, port: int, argv: list[str], log: str) -> None:
+    """One rank of ``examples/megatron_gpt.py`` on the CPU (target of ``run_example``), its
+    output to ``log`` formatted with its rank."""
     import os
     import sys
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    with open(log.format(rank=rank), "w") as f:  # the fork server's own output is no test's
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
     # One thread a rank: the ranks share the machine's cores, and with several threads MKL's
     # dynamic threading may give a GEMM fewer of them when the machine is busy, which changes
     # its summation order (CI saw a reference run's first loss differ in its last bits).
     torch.set_num_threads(1)
     sys.exit(example_worker_main(argv, pipeline=True))
+
+
+# The ranks are forks of a server that has imported torch, megatron-core and the library once
+# for the test session (each run's ranks would otherwise spend about 5 s importing them). The
+# server starts as a fresh interpreter, so the ranks inherit none of the test process's state
+# (its gloo group, its patches).
+_FORKSERVER_PRELOAD = ["torch", "megatron.core", "megatron.core.models.gpt", "megatron.core.pipeline_parallel",
+                       "megatron.core.transformer.moe.moe_layer", "offload", "offload.integrations.megatron",
+                       "offload.integrations.megatron_plan", "offload.tools.peak_live", "megatron_cpu"]
+
+
+def run_example(out_dir, name: str, world: int, argv: list[str]) -> tuple[dict, str]:
+    """``examples/megatron_gpt.py ARGV --json OUT_DIR/NAME.json`` on ``world`` CPU ranks (gloo):
+    the run's JSON and rank 0's output. A rank that fails fails the test with every rank's output."""
+    import json
+    import multiprocessing
+    from pathlib import Path
+
+    import torch.multiprocessing as tmp
+    from torch.multiprocessing.spawn import ProcessException
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(_FORKSERVER_PRELOAD)
+    out, log = out_dir / f"{name}.json", str(out_dir / f"{name}.rank{{rank}}.log")
+    try:
+        tmp.start_processes(example_worker, args=(world, free_port(), [*argv, "--json", str(out)], log),
+                            nprocs=world, join=True, start_method="forkserver")
+    except ProcessException as exc:
+        logs = [Path(log.format(rank=r)) for r in range(world)]
+        outputs = "\n".join(f"--- rank {r}:\n{p.read_text() if p.exists() else '(no output)'}" for r, p in enumerate(logs))
+        raise AssertionError(f"{exc}\n{outputs}") from None
+    with open(log.format(rank=0)) as f:
+        return json.loads(out.read_text()), f.read()
 
 
 if __name__ == "__main__":

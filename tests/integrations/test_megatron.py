@@ -419,16 +419,9 @@ TINY = ["--layers", "4", "--hidden", "32", "--heads", "4", "--ffn", "64", "--seq
 
 
 def _run_example(tmp_path, name: str, world: int, argv: list[str]) -> dict:
-    import json
+    from megatron_cpu import run_example
 
-    import torch.multiprocessing as tmp
-
-    from megatron_cpu import example_worker, free_port
-
-    out = tmp_path / f"{name}.json"
-    tmp.spawn(example_worker, args=(world, free_port(), [*TINY, *argv, "--json", str(out)]),
-              nprocs=world, join=True)
-    return json.loads(out.read_text())
+    return run_example(tmp_path, name, world, [*TINY, *argv])[0]
 
 
 @pytest.mark.parametrize("argv, names", [

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -382,21 +379,16 @@ def test_example_refuses_bad_auto_flags_before_it_starts(example, capsys, argv, 
 
 def test_example_with_auto_is_bitwise_equal_to_its_reference(tmp_path):
     """``examples/megatron_gpt.py --offload-modules=auto --offload-memory-budget=-30%`` on the
-    CPU (tests/integrations/megatron_cpu.py): the plan is printed and recorded, the losses and
+    CPU (tests/integrations/megatron_cpu.py's ``run_example``): the plan is printed and recorded, the losses and
     the trained parameters are bitwise those of the run without offloading."""
     tiny = ["--model", "gpt", "--layers", "2", "--hidden", "32", "--heads", "4", "--ffn", "64", "--seq", "16",
             "--vocab", "128", "--steps", "3", "--warmup-steps", "1", "--device", "cpu",
             "--offload-min-tensor-bytes", "0"]
 
-    def run(name: str, *extra: str) -> tuple[dict, str]:
-        out = tmp_path / f"{name}.json"
-        proc = subprocess.run([sys.executable, str(ROOT / "tests/integrations/megatron_cpu.py"), *tiny, *extra,
-                               "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        return json.loads(out.read_text()), proc.stdout
+    from megatron_cpu import run_example
 
-    ref, _ = run("ref")
-    got, stdout = run("auto", "--offload-modules=auto", "--offload-memory-budget=-30%")
+    ref, _ = run_example(tmp_path, "ref", 1, tiny)
+    got, stdout = run_example(tmp_path, "auto", 1, [*tiny, "--offload-modules=auto", "--offload-memory-budget=-30%"])
     assert got["ok"] and got["offload_modules"] == ["auto"] and got["offload_memory_budget"] == "-30%"
     assert ref["loss_hex"] == got["loss_hex"] and len(got["loss_hex"]) == 3
     assert ref["param_sha256"] == got["param_sha256"]
