@@ -465,6 +465,30 @@ def te_graph_helper(args: argparse.Namespace, chunks: list[torch.nn.Module]):
                              micro_batch_size=args.micro_batch_size, optimizers=[])
 
 
+def drop_autograd_history_kept_by_modules(chunks: list[torch.nn.Module]) -> int:
+    """Detach every tensor with autograd history that a module, or a plain object a module holds,
+    keeps as an attribute; how many.
+
+    Megatron's allgather token dispatcher keeps the last microbatch's ``local_probs`` on itself
+    after the step, and with it that microbatch's autograd graph back to the attention's
+    parameters: their ``AccumulateGrad`` nodes stay alive, made on the default stream by the
+    eager steps. Transformer Engine's capture of the attention's backward then reaches them and
+    fails (``cudaErrorStreamCaptureImplicit``: the default stream would depend on the capture;
+    PyTorch warns first that the node's stream does not match). Nothing reads those attributes
+    before the next forward sets them again, so the capture starts from their detached values.
+    """
+    holders = [m for chunk in chunks for m in chunk.modules()]
+    holders += [v for m in holders for v in vars(m).values()  # the dispatcher is not a module
+                if hasattr(v, "__dict__") and not isinstance(v, (torch.nn.Module, torch.Tensor, type))]
+    dropped = 0
+    for holder in holders:
+        for name, value in list(vars(holder).items()):
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                setattr(holder, name, value.detach())
+                dropped += 1
+    return dropped
+
+
 def graph_pool_bytes(cuda: bool) -> int:
     """Bytes the CUDA graphs' private pools hold (``max_memory_allocated`` does not show them)."""
     if not cuda:
@@ -501,6 +525,7 @@ def run(args: argparse.Namespace) -> dict:
     setup_bytes = torch.cuda.memory_allocated() if cuda else 0
     for step in range(args.steps):
         if graphs is not None and step == args.cuda_graph_warmup_steps:
+            drop_autograd_history_kept_by_modules(chunks)
             graphs.create_cudagraphs()
         measured = step >= args.warmup_steps
         traced = args.peak_trace is not None and step == args.steps - 1

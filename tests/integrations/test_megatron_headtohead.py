@@ -287,3 +287,25 @@ def test_example_config_for_megatrons_own_offloading_fp8_recompute_and_graphs(ex
     args.offload_modules = ["fc1"]
     with pytest.raises(OffloadError, match="Megatron's own offloading .* has no fc1"):
         example.config_kwargs(args)
+
+
+def test_example_drops_the_autograd_history_megatrons_dispatcher_keeps_before_a_capture(example):
+    """After a step, Megatron's allgather dispatcher still holds the last microbatch's
+    ``local_probs`` with its autograd graph (which keeps the attention parameters'
+    ``AccumulateGrad`` nodes alive, and Transformer Engine's capture fails on them): the example
+    detaches such attributes before ``create_cudagraphs``, leaving parameters and training as they are."""
+    import torch
+    from test_megatron import build, fb_no_pipelining, train
+
+    model = build(moe=True, layers=2)
+    train(model, fb_no_pipelining(), steps=1)
+    dispatchers = [m.token_dispatcher for m in model.modules() if hasattr(m, "token_dispatcher")]
+    kept = [(h, n) for h in [*model.modules(), *dispatchers] for n, v in vars(h).items()
+            if isinstance(v, torch.Tensor) and v.grad_fn is not None]
+    assert any(n == "local_probs" for _, n in kept), kept
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert example.drop_autograd_history_kept_by_modules([model]) == len(kept)
+    assert all(getattr(m, n).grad_fn is None for m, n in kept)
+    assert all(torch.equal(p, params[n]) for n, p in model.named_parameters())
+    assert example.drop_autograd_history_kept_by_modules([model]) == 0
+    train(model, fb_no_pipelining(), steps=1)  # the next forward sets them again
