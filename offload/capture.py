@@ -80,9 +80,11 @@ Note [C4] Reloads issued after the backward replay of the graph before. Under [C
     the previous step left in its buffers. And the backward graph that waits for them checks,
     from a pre-hook on the autograd node of its outputs, that they were issued since its forward replay
     (`ReplayCopies.issues`), else raises `OffloadError` before it replays: the graphs' backward
-    did not run in capture order. A backward graph that reloads nothing (its region's groups
-    were all kept, Note [C1]: a pipeline order captures such a region's forward right before
-    another backward) waits on no replay and is not checked.
+    did not run in capture order. A backward graph that reloads nothing waits on no replay and is
+    not checked: its region's groups were all kept (Note [C1]: a pipeline order captures such a
+    region's forward right before another backward), or copied nothing because something else
+    held what they saved (Note [8] of `offload.copy_queue`; a captured group gets no second
+    look). Megatron's attention-only graphs of an MoE layer with ``attn_norm`` were refused so.
 """
 
 from __future__ import annotations
@@ -314,13 +316,15 @@ class CaptureSessions:
             return
         replay = self.backward_replays.get(previous) if fresh else None
         last = [g for g in handler.groups if handler.last_of_name.get(g.name) is g]
-        offloaded = [g for g in reversed(last) if g.state is GroupState.OFFLOADED]
         if replay is not None:
             replay.clear()
-            if offloaded:  # a graph whose groups were all kept waits on no reload
-                self.reloaded_by[key] = replay
-        for group in offloaded:
-            self._engine.reload(group, prefetch=True, replay=replay)
+        for group in reversed(last):
+            if group.state is GroupState.OFFLOADED:
+                self._engine.reload(group, prefetch=True, replay=replay)
+        if replay is not None and replay.groups:
+            self.reloaded_by[key] = replay
+        else:  # a graph that reloads nothing waits on no replay
+            self.reloaded_by.pop(key, None)
 
     def enter_region(self, key: Any) -> None:
         """A graphable region begins: eagerly, it records the groups it offloads as its plan;

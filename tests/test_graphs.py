@@ -16,7 +16,7 @@ import torch
 import offload
 from conftest import seeded_pair
 from offload import OffloadError
-from offload.group import GroupState
+from offload.group import GroupState, TensorRecord
 from offload.testing import GPT_MAPPING, build_gpt, first_difference
 
 NAMES = ["core_attn", "fc1", "mlp_act"]
@@ -233,6 +233,32 @@ def test_reloads_go_to_the_backward_replays_of_the_graph_before(stack):
     assert stats.by_name["core_attn"].reloads_prefetched == 2
     offload.reset(release_pool=True)
     assert manager.captures.backward_replays == {}
+
+
+def test_a_backward_graph_whose_groups_copied_nothing_waits_on_no_replay(stack, monkeypatch):
+    """Note [C4]: groups captured while something else held everything they saved are
+    OFFLOADED with nothing on the host, so a backward capture after the one of the region
+    before reloads nothing, and its graph waits on no replay: registered as waiting, its
+    replay would be refused as out of order although every graph replays in capture order (the
+    GPU failure of Megatron's attention-only graphs of an MoE layer with ``attn_norm``)."""
+    model, ref, regions, manager = stack
+    x, keys = _warm_up_reported(stack)
+    monkeypatch.setattr(TensorRecord, "copy_frees_memory", lambda rec, aliases: False)
+    h = x.detach().requires_grad_(True)
+    for i, region in enumerate(regions):
+        _capturing(manager, Graph(f"fwd{i}"))
+        h = region(h)
+    _capturing(manager, Graph("bwd"))
+    h.backward(torch.ones_like(h))
+    _capturing(manager, None)
+    first, second, _ = manager.captures._graph_handlers
+    assert all(grp.state is GroupState.OFFLOADED for grp in first.groups + second.groups)
+    assert all(rec.host is None for grp in first.groups + second.groups for rec in grp.records)
+    assert all(replay.groups == [] for replay in manager.captures.backward_replays.values())
+    assert manager.captures.reloaded_by == {}, "no backward graph waits on a replay that issues nothing"
+    stats = offload.end_iteration()
+    assert stats.by_name["core_attn"].bytes_offloaded == 0 and stats.by_name["core_attn"].bytes_held_elsewhere > 0
+    offload.reset(release_pool=True)
 
 
 def test_a_backward_graph_that_reloads_nothing_waits_on_no_replay(stack):
