@@ -84,7 +84,8 @@ Note [C4] Reloads issued after the backward replay of the graph before. Under [C
     not checked: its region's groups were all kept (Note [C1]: a pipeline order captures such a
     region's forward right before another backward), or copied nothing because something else
     held what they saved (Note [8] of `offload.copy_queue`; a captured group gets no second
-    look). Megatron's attention-only graphs of an MoE layer with ``attn_norm`` were refused so.
+    look). Megatron's attention-only graphs of an MoE model with ``attn_norm`` were refused
+    as out of order when such graphs were still registered as waiting.
 """
 
 from __future__ import annotations
