@@ -158,7 +158,8 @@ def run_example(out_dir, name: str, world: int, argv: list[str]) -> tuple[dict, 
                             nprocs=world, join=True, start_method="forkserver")
     except ProcessException as exc:
         logs = [Path(log.format(rank=r)) for r in range(world)]
-        outputs = "\n".join(f"--- rank {r}:\n{p.read_text() if p.exists() else '(no output)'}" for r, p in enumerate(logs))
+        outputs = "\n".join(f"--- rank {r}:\n{p.read_text() if p.exists() else '(no output)'}"
+                            for r, p in enumerate(logs))
         raise AssertionError(f"{exc}\n{outputs}") from None
     with open(log.format(rank=0)) as f:
         return json.loads(out.read_text()), f.read()
