@@ -138,21 +138,13 @@ class StepWindow:
 
     def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.steps += 1
-        if isinstance(self.timers, SyncTimers):
+        if self.timers is not None:
             if self.steps == self.first:
                 self.timers.clear()
             elif self.first < self.steps <= self.last:
                 self.timers.step()
             if self.steps == self.last:
-                self._write(self.out.with_name(self.out.name + ".syncs.txt"), self.timers.table() + "\n")
-                self.done = True
-            return
-        if self.timers is not None:
-            if self.steps == self.first:
-                self.timers.clear()
-            elif self.steps == self.last:
-                table = self.timers.table(self.last - self.first)
-                self._write(self.out.with_name(self.out.name + ".engine.txt"), table + "\n")
+                self._write(self.out.with_name(f"{self.out.name}.{self.timers.kind}.txt"), self.timers.table() + "\n")
                 self.done = True
             return
         if self.steps == self.first:

@@ -50,11 +50,15 @@ def timed(real: Any, totals: dict[str, list[float]], label: str, thread: int | N
 
 
 class EngineTimers:
-    """Install with `install`, read per-step totals with `table`, take the wrappers off with
-    `remove`. `clear` starts a new window (the totals so far are dropped)."""
+    """Install with `install`, mark each step's end with `step`, read per-step totals with
+    `table`, take the wrappers off with `remove`. `clear` starts a new window (the totals so far
+    are dropped). The same window interface as `offload.tools.sync_timers.SyncTimers`."""
+
+    kind = "engine"  # tools/profile_step.py writes OUT.engine.txt
 
     def __init__(self) -> None:
         self.totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])  # name -> [seconds, calls]
+        self.steps = 0  # steps ended in the window
         self.gc_collections = [0, 0, 0]
         self.gc_seconds = [0.0, 0.0, 0.0]
         self._originals: list[tuple[type, str, Any]] = []
@@ -78,9 +82,13 @@ class EngineTimers:
 
     def clear(self) -> None:
         self.totals.clear()
+        self.steps = 0
         self.gc_collections = [0, 0, 0]
         self.gc_seconds = [0.0, 0.0, 0.0]
 
+    def step(self) -> None:
+        """A step of the window ended."""
+        self.steps += 1
 
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
@@ -90,8 +98,12 @@ class EngineTimers:
             self.gc_collections[generation] += 1
             self.gc_seconds[generation] += time.perf_counter() - self._gc_start
 
-    def table(self, steps: int) -> str:
-        """Per-step totals over ``steps`` steps: the collector's, then each entry point's."""
+    def table(self, steps: int | None = None) -> str:
+        """Per-step totals over ``steps`` steps (default: those `step` counted): the collector's,
+        then each entry point's."""
+        steps = steps or self.steps
+        if not steps:
+            return "no complete step in the window"
         lines = ["python gc per step: " + "; ".join(
             f"gen{g} {self.gc_collections[g] / steps:.2f} collections {self.gc_seconds[g] / steps * 1e3:.2f} ms"
             for g in range(3))]

@@ -38,7 +38,9 @@ SYNC_CALLS: list[tuple[Any, str, str]] = [
 class SyncTimers:
     """Install with `install` (on the training loop's thread), mark each step's end with `step`,
     read the per-step figures with `table`, take the wrappers off with `remove`; `clear` starts a
-    new window."""
+    new window. The same window interface as `offload.tools.engine_timers.EngineTimers`."""
+
+    kind = "syncs"  # tools/profile_step.py writes OUT.syncs.txt
 
     def __init__(self) -> None:
         self.totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])  # label -> [seconds, calls]
