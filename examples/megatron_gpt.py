@@ -584,6 +584,7 @@ def run(args: argparse.Namespace) -> dict:
             "peak_memory_bytes": peaks[False] if cuda else None,
         },
         "offload": stats_summary(handle.last_stats),
+        "offload_captured": offload.get_manager().captures.captured_summary(),  # not in "offload"
         "offload_mapping": handle.mapping,
         "offload_plan": None if handle.plan is None else handle.plan.as_dict(),
     }

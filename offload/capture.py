@@ -394,6 +394,20 @@ class CaptureSessions:
         graph writes its records' pinned buffers (``rec.host``), its backward graph reads them."""
         return [g for h in self._graph_handlers for g in h.groups]
 
+    def captured_summary(self) -> dict[str, dict[str, int]]:
+        """Per group name, what the captured graphs hold: ``groups`` captured, ``groups_copied``
+        (those with pinned buffers: the forward replay copies them out, the backward replay
+        brings them back) and their ``bytes_copied`` when every graph replays once. Groups
+        captured are not in `end_iteration`'s statistics: a replay runs no hook."""
+        summary: dict[str, dict[str, int]] = {}
+        for group in self.captured_groups:
+            entry = summary.setdefault(group.name, {"groups": 0, "groups_copied": 0, "bytes_copied": 0})
+            copied = sum(rec.nbytes for rec in group.records if rec.host is not None)
+            entry["groups"] += 1
+            entry["groups_copied"] += copied > 0
+            entry["bytes_copied"] += copied
+        return summary
+
     def release_graphs(self) -> None:
         """Give the captured graphs' pinned buffers back to the pool and forget their groups.
         Only once those graphs will never replay again."""

@@ -135,6 +135,12 @@ def test_captured_regions_carry_their_last_groups_to_the_next_graph(stack):
     assert stats.by_name["core_attn"].reloads_on_demand == 0
     buffers = {id(rec.host) for grp in manager.captured_groups for rec in grp.records if rec.host is not None}
     assert buffers, "the graphs keep their pinned buffers after their backward"
+    summary = manager.captures.captured_summary()
+    assert set(summary) == set(NAMES)
+    for name, entry in summary.items():  # three regions; the third region's groups stayed (KEPT)
+        copied = [g for g in manager.captured_groups if g.name == name and g.state is GroupState.OFFLOADED]
+        assert (entry["groups"], entry["groups_copied"]) == (3, 2) and len(copied) == 2, (name, entry)
+        assert entry["bytes_copied"] == stats.by_name[name].bytes_offloaded > 0, name  # the capturing step's
     _stack_step(model, regions, *seeded_pair(1, 8, 2, 32))  # an eager step after the capture cannot take them
     offload.end_iteration()
     assert buffers == {id(rec.host) for grp in manager.captured_groups for rec in grp.records if rec.host is not None}

@@ -207,8 +207,8 @@ def example_module():
 def graphed_train(mg, moe: bool, graphs: list[str], names: str, steps: int = 4):
     """Train with Megatron's TE graphs, captured by ``TECudaGraphHelper`` after `GRAPH_WARMUP`
     eager steps as Megatron-LM's loop does, with ``names`` offloaded through the integration
-    (``""``: none); returns `train`'s result, the names of the manager's captured groups and
-    the last step's statistics."""
+    (``""``: none); returns `train`'s result, what the graphs hold per name
+    (``captures.captured_summary()``) and the last step's statistics."""
     import offload
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
@@ -226,7 +226,7 @@ def graphed_train(mg, moe: bool, graphs: list[str], names: str, steps: int = 4):
 
     try:
         result = train(model, handle.wrap(get_forward_backward_func()), steps=steps, before_step=before_step)
-        captured = {g.name for g in offload.get_manager().captured_groups}
+        captured = offload.get_manager().captures.captured_summary()
         stats = handle.last_stats
     finally:
         if helper.graphs_created():
@@ -246,8 +246,7 @@ def test_megatron_te_graphs_offload_bitwise(mg, te_graphs, moe, graphs, names, i
     """``--cuda-graph-impl transformer_engine`` (whole layers; attention only, with the MLP or
     the MoE layer eager, as Megatron captures MoE models): the names inside the graphs are
     captured, the others offload eagerly, and losses and gradients equal those of the same
-    graphs without offloading, bitwise. (``moe-attn`` was added on 2026-11-28 without a GPU
-    run: see docs/megatron.md, *Megatron's CUDA graphs*.)"""
+    graphs without offloading, bitwise."""
     from megatron.core.transformer import cuda_graphs
 
     te_api = cuda_graphs.make_graphed_callables
@@ -256,7 +255,8 @@ def test_megatron_te_graphs_offload_bitwise(mg, te_graphs, moe, graphs, names, i
     assert ref[0] == again[0], "the graphed reference does not reproduce itself"
     got, captured, stats = graphed_train(mg, moe, graphs, names)
     assert cuda_graphs.make_graphed_callables is te_api, "remove() leaves Megatron's TE function in place"
-    assert inside <= captured and not captured & eager, captured
+    assert inside <= set(captured) and not set(captured) & eager, captured
+    assert captured["core_attn"]["bytes_copied"] > 0, captured  # what each replay moves
     for name in eager:  # offloaded eagerly, between the graphs' replays
         assert stats.by_name[name].bytes_offloaded > 0, name
     assert got[0] == ref[0]
