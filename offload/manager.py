@@ -32,7 +32,7 @@ from .copy_queue import CopyQueue
 from .errors import OffloadError
 from .group import GroupState, KeptTensor, OffloadGroup, SavedHandle
 from .group_policy import inside_checkpoint
-from .notices import say_once, warn_if_nothing_offloaded
+from .notices import names_that_free_nothing, say_once, warn_if_nothing_offloaded
 from .pinned_pool import PinnedHostPool
 from .policy import TensorPolicy
 from .quantized import pack_quantized, splittable
@@ -126,7 +126,15 @@ class PipelineOffloadManager:
             if stats.iteration == 0:
                 warn_if_nothing_offloaded(stats, self.config.modules, self.declared_names, self.policy.below_min,
                                           self.config.min_tensor_bytes)
+            if stats.total().bytes_offloaded:  # else the first iteration's note said why
+                self.say_names_that_free_nothing(stats, f"in iteration {stats.iteration}")
         return stats
+
+    def say_names_that_free_nothing(self, stats: IterationStats, when: str) -> None:
+        """Warn, once per name, of a configured name whose groups saved only tensors held
+        elsewhere (`offload.notices.names_that_free_nothing`)."""
+        for name, note in names_that_free_nothing(stats, self.config.modules, when).items():
+            say_once(f"frees-nothing:{name}", note, stacklevel=4)
 
     def reset(self, release_pool: bool = False) -> None:
         """Forget every handler and group (their saved tensors can no longer be unpacked): after

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import offload
-from offload import OffloadError, OffloadTypeError, OffloadValueError
+from offload import OffloadError, OffloadTypeError, OffloadValueError, notices
 from offload.testing import GPT_MAPPING, build_gpt, train_step
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,6 +181,33 @@ def test_first_iteration_says_why_nothing_was_offloaded(configure, case):
         "kept": "2 group(s) of core_attn, fc1 ran; 2 group(s) stayed on the device as the last of their name",
     }[case]
     assert expected in note, note
+
+
+def test_a_name_whose_saved_tensors_are_all_held_elsewhere_is_named_once(configure, monkeypatch):
+    """attn_proj saves only core_attn's output, which core_attn's attention (not offloaded)
+    saves too: copying it would free nothing, so it stays. While fc1 copies, one warning names
+    attn_proj with its bytes at the end of the first iteration, none later. Before: only the
+    statistics' ``bytes_held_elsewhere`` said so."""
+    monkeypatch.setattr(notices, "_said", set())  # as in a fresh process
+    configure(["attn_proj", "fc1"])
+    model = build_gpt(32, 4, 3)
+    offload.attach(model, GPT_MAPPING)
+    x, g = torch.randn(8, 2, 32), torch.randn(8, 2, 32)
+    notes = []
+    for _ in range(2):
+        train_step(model, x, g)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            stats = offload.end_iteration()
+        notes.append([str(w.message) for w in said if issubclass(w.category, RuntimeWarning)])
+        assert stats.by_name["fc1"].bytes_offloaded > 0
+    held = stats.by_name["attn_proj"].bytes_held_elsewhere
+    assert held == 2 * 8 * 2 * 32 * 4 and stats.by_name["attn_proj"].bytes_offloaded == 0
+    assert notes == [[
+        f"offload: 'attn_proj' copied nothing in iteration 0: the {held} bytes its 3 group(s) saved were all "
+        "held by something else as well (saved by a module that is not offloaded, or a CUDA graph's static "
+        "input or output), so copying them would free no device memory. Offload what holds them, or drop "
+        "'attn_proj' from the names."], []]
 
 
 def test_misspelled_name_in_a_pipeline_waits_for_every_attached_chunk(configure):
