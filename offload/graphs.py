@@ -291,15 +291,13 @@ def make_graphed_callables(
         manager.set_schedule(None)  # the warm-up and captures run outside the training schedule
     suspended = manager.suspended
     try:
-        graphed = _capture(fns, args, kwargs, single, passes, microbatches, graph_api, graph_kwargs)
+        return _capture(fns, args, kwargs, single, passes, microbatches, graph_api, graph_kwargs)
     finally:
         manager.suspended = suspended  # also where the API failed between its warm-up hooks
         # the captures were an iteration of their own: its statistics stay readable
         manager.captures.capture_stats = manager.end_iteration(check_names=False)
         if schedule is not None:
             manager.set_schedule(schedule.order)
-    manager.say_names_that_free_nothing(manager.captures.capture_stats, "in the CUDA graphs' warm-up and capture")
-    return graphed
 
 
 def _capture(fns: tuple, args: tuple, kwargs: tuple, single: bool, passes: list[int], microbatches: int,

@@ -127,14 +127,9 @@ class PipelineOffloadManager:
                 warn_if_nothing_offloaded(stats, self.config.modules, self.declared_names, self.policy.below_min,
                                           self.config.min_tensor_bytes)
             if stats.total().bytes_offloaded:  # else the first iteration's note said why
-                self.say_names_that_free_nothing(stats, f"in iteration {stats.iteration}")
+                for name, note in names_that_free_nothing(stats, self.config.modules).items():
+                    say_once(f"frees-nothing:{name}", note, stacklevel=3)
         return stats
-
-    def say_names_that_free_nothing(self, stats: IterationStats, when: str) -> None:
-        """Warn, once per name, of a configured name whose groups saved only tensors held
-        elsewhere (`offload.notices.names_that_free_nothing`)."""
-        for name, note in names_that_free_nothing(stats, self.config.modules, when).items():
-            say_once(f"frees-nothing:{name}", note, stacklevel=4)
 
     def reset(self, release_pool: bool = False) -> None:
         """Forget every handler and group (their saved tensors can no longer be unpacked): after

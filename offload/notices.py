@@ -61,20 +61,20 @@ def nothing_offloaded(stats: IterationStats, modules: Sequence[str], declared: I
     return head + "; ".join(reasons)
 
 
-def names_that_free_nothing(stats: IterationStats, modules: Sequence[str], when: str) -> dict[str, str]:
+def names_that_free_nothing(stats: IterationStats, modules: Sequence[str]) -> dict[str, str]:
     """The configured names that copied nothing in ``stats`` because everything their groups
-    saved was held by something else: per name, what to tell the user (``when``: "in
-    iteration 3", ...)."""
+    saved was held by something else: per name, what to tell the user. (Groups inside CUDA
+    graphs are not in a replayed iteration's statistics: `CaptureSessions.captured_summary`.)"""
     notes = {}
     for name in modules:
         s = stats.by_name.get(name)
         if s is None or s.bytes_offloaded or not s.bytes_held_elsewhere:
             continue
         notes[name] = (
-            f"offload: {name!r} copied nothing {when}: the {s.bytes_held_elsewhere} bytes its {s.groups} "
-            "group(s) saved were all held by something else as well (saved by a module that is not "
-            "offloaded, or a CUDA graph's static input or output), so copying them would free no device "
-            f"memory. Offload what holds them, or drop {name!r} from the names.")
+            f"offload: {name!r} copied nothing in iteration {stats.iteration}: the {s.bytes_held_elsewhere} "
+            f"bytes its {s.groups} group(s) saved were all held by something else as well (saved by a module "
+            "that is not offloaded, or a CUDA graph's output), so copying them would free no device memory. "
+            f"Offload what holds them, or drop {name!r} from the names.")
     return notes
 
 

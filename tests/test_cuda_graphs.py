@@ -742,27 +742,6 @@ def test_error_pinned_allocation_during_capture(configure):
     offload.reset(release_pool=True)
 
 
-def test_a_captured_name_that_frees_nothing_is_named_and_summarized(configure, monkeypatch):
-    """attn_proj saves only core_attn's output, which the attention (not offloaded) saves too:
-    inside the graphs it copies nothing, fc1 does. `captured_summary` says so per name, and one
-    warning at the end of `make_graphed_callables` names attn_proj (a replay runs no hook, so
-    later iterations cannot)."""
-    from offload import notices
-
-    monkeypatch.setattr(notices, "_said", set())  # as in a fresh process
-    model = _model(3)
-    configure(["attn_proj", "fc1"], device="cuda", min_tensor_bytes=1 << 16)
-    offload.attach(model, GPT_MAPPING)
-    sample = tuple((torch.randn(SEQ, BATCH, HIDDEN, device="cuda", requires_grad=True),) for _ in model.layers)
-    with pytest.warns(RuntimeWarning, match=r"'attn_proj' copied nothing in the CUDA graphs' warm-up and capture: "
-                                            r"the \d+ bytes its \d+ group\(s\) saved were all held"):
-        offload.graphs.make_graphed_callables(tuple(model.layers), sample)
-    summary = offload.get_manager().captures.captured_summary()
-    assert summary["attn_proj"]["groups"] == 3 and summary["attn_proj"]["bytes_copied"] == 0, summary
-    assert summary["fc1"]["groups_copied"] == 2 and summary["fc1"]["bytes_copied"] > 0, summary  # the last is kept
-    offload.reset(release_pool=True)
-
-
 @pytest.mark.parametrize("per_graph", [1, 2])
 def test_several_layers_per_graph_with_slowed_copies_bitwise(configure, monkeypatch, per_graph):
     """Graphed callables of ``per_graph`` layers each (4 layers, one microbatch), the copy

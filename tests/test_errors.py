@@ -154,22 +154,28 @@ def test_attach_does_not_raise_for_a_code_group_name(configure, where):
         assert offload.end_iteration().by_name["fc1"].groups == 2
 
 
+def _notes_of_two_iterations(model) -> tuple[list[list[str]], list]:
+    """Attach ``model`` (a `build_gpt` stack of hidden 32) and train two steps; returns the
+    `RuntimeWarning`s said at each iteration's end and each iteration's statistics."""
+    offload.attach(model, GPT_MAPPING)
+    x, g = torch.randn(8, 2, 32), torch.randn(8, 2, 32)
+    notes, stats = [], []
+    for _ in range(2):
+        train_step(model, x, g)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            stats.append(offload.end_iteration())
+        notes.append([str(w.message) for w in said if issubclass(w.category, RuntimeWarning)])
+    return notes, stats
+
+
 @pytest.mark.parametrize("case", ["no_names", "below_min", "kept"])
 def test_first_iteration_says_why_nothing_was_offloaded(configure, case):
     """Nothing offloaded in the first iteration: one warning with the numbers at its end, none
     at the next. Before: nothing was said."""
     kw = {"below_min": {"min_tensor_bytes": 1 << 30}}.get(case, {})
     configure([] if case == "no_names" else ["core_attn", "fc1"], **kw)
-    model = build_gpt(32, 4, 1 if case == "kept" else 2)
-    offload.attach(model, GPT_MAPPING)
-    x, g = torch.randn(8, 2, 32), torch.randn(8, 2, 32)
-    notes = []
-    for _ in range(2):
-        train_step(model, x, g)
-        with warnings.catch_warnings(record=True) as said:
-            warnings.simplefilter("always")
-            offload.end_iteration()
-        notes.append([str(w.message) for w in said if issubclass(w.category, RuntimeWarning)])
+    notes, _ = _notes_of_two_iterations(build_gpt(32, 4, 1 if case == "kept" else 2))
     assert notes[1] == []
     [note] = notes[0]
     assert note.startswith("offload: nothing was offloaded in the first iteration: ")
@@ -190,24 +196,16 @@ def test_a_name_whose_saved_tensors_are_all_held_elsewhere_is_named_once(configu
     statistics' ``bytes_held_elsewhere`` said so."""
     monkeypatch.setattr(notices, "_said", set())  # as in a fresh process
     configure(["attn_proj", "fc1"])
-    model = build_gpt(32, 4, 3)
-    offload.attach(model, GPT_MAPPING)
-    x, g = torch.randn(8, 2, 32), torch.randn(8, 2, 32)
-    notes = []
-    for _ in range(2):
-        train_step(model, x, g)
-        with warnings.catch_warnings(record=True) as said:
-            warnings.simplefilter("always")
-            stats = offload.end_iteration()
-        notes.append([str(w.message) for w in said if issubclass(w.category, RuntimeWarning)])
-        assert stats.by_name["fc1"].bytes_offloaded > 0
+    notes, stats = _notes_of_two_iterations(build_gpt(32, 4, 3))
+    assert all(s.by_name["fc1"].bytes_offloaded > 0 for s in stats)
+    stats = stats[-1]
     held = stats.by_name["attn_proj"].bytes_held_elsewhere
     assert held == 2 * 8 * 2 * 32 * 4 and stats.by_name["attn_proj"].bytes_offloaded == 0
     assert notes == [[
         f"offload: 'attn_proj' copied nothing in iteration 0: the {held} bytes its 3 group(s) saved were all "
-        "held by something else as well (saved by a module that is not offloaded, or a CUDA graph's static "
-        "input or output), so copying them would free no device memory. Offload what holds them, or drop "
-        "'attn_proj' from the names."], []]
+        "held by something else as well (saved by a module that is not offloaded, or a CUDA graph's output), "
+        "so copying them would free no device memory. Offload what holds them, or drop 'attn_proj' from the "
+        "names."], []]
 
 
 def test_misspelled_name_in_a_pipeline_waits_for_every_attached_chunk(configure):
