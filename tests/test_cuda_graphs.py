@@ -742,6 +742,24 @@ def test_error_pinned_allocation_during_capture(configure):
     offload.reset(release_pool=True)
 
 
+def test_a_graphs_static_input_is_not_copied_and_the_summary_says_so(configure):
+    """attn_norm saves each layer's input (its mean and rstd are under ``min_tensor_bytes``);
+    inside a graph that input is the graph's static input, a leaf that requires grad, which
+    the policy never copies (autograd keeps the leaf itself), as under Megatron's attention
+    graphs: attn_norm's captured groups copy nothing and count no bytes held elsewhere, fc1's
+    copy. `captured_summary` is where this shows (a replay runs no hook)."""
+    model = _model(3)
+    manager = configure(["attn_norm", "fc1"], device="cuda", min_tensor_bytes=1 << 16)
+    offload.attach(model, GPT_MAPPING)
+    sample = tuple((torch.randn(SEQ, BATCH, HIDDEN, device="cuda", requires_grad=True),) for _ in model.layers)
+    offload.graphs.make_graphed_callables(tuple(model.layers), sample)
+    summary = manager.captures.captured_summary()
+    assert summary["attn_norm"] == {"groups": 3, "groups_copied": 0, "bytes_copied": 0}, summary
+    assert manager.captures.capture_stats.by_name["attn_norm"].bytes_held_elsewhere == 0
+    assert summary["fc1"]["groups_copied"] == 2 and summary["fc1"]["bytes_copied"] > 0, summary  # the last is kept
+    offload.reset(release_pool=True)
+
+
 @pytest.mark.parametrize("per_graph", [1, 2])
 def test_several_layers_per_graph_with_slowed_copies_bitwise(configure, monkeypatch, per_graph):
     """Graphed callables of ``per_graph`` layers each (4 layers, one microbatch), the copy
