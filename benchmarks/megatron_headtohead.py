@@ -15,6 +15,10 @@ recompute) runs a third time, its offloading flags with offloading off, for the 
 the fields `RECORD_FIELDS`; per-run JSON files and logs go to ``--runs-dir``. A Markdown table of
 all records replaces the one between the ``headtohead`` markers of docs/megatron.md
 (``--markdown``). Any failed run makes the script exit 1, and a failed job writes no record.
+With ``--repeats N`` a job's runs go N times, alternating (baseline, offloading, baseline, ...),
+each in a process of its own: the record's step times are the medians of all the rounds'
+measured steps together (a host-paced step varies between processes by more than a few percent),
+its peaks the highest, and its losses bitwise only if every round's are.
 Variants (FP8, pipeline parallelism) go through ``--extra`` and get a ``--tag``:
 
     python benchmarks/megatron_headtohead.py --extra "--fp8 current" --tag fp8-current
@@ -53,6 +57,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -194,22 +199,46 @@ def losses_bitwise(baseline: dict, offloaded: dict) -> bool:
     return bool(baseline.get("loss_hex")) and baseline.get("loss_hex") == offloaded.get("loss_hex")
 
 
-def build_record(job: Job, baseline: dict, offloaded: dict, command: str, reference: dict | None = None) -> dict:
-    """The job's record (`RECORD_FIELDS`) from its runs' JSON: step time and peak against the
-    baseline, losses against the ``reference`` where the job has one (`Job.runs`)."""
-    step = _ranks_max(offloaded, "median_step_time_ms")
-    base_step = _ranks_max(baseline, "median_step_time_ms")
+def pooled_step_ms(runs: list[dict], warmup_steps: int) -> float | None:
+    """The median step time of ``runs`` (rounds of one run, `--repeats`): per rank, the median of
+    every round's measured steps together; the slowest rank's. Runs without per-step times give
+    the median of their own medians."""
+    by_rank: dict[int, list[float]] = {}
+    for run in runs:
+        for i, rank in enumerate(run.get("per_rank") or []):
+            by_rank.setdefault(i, []).extend((rank.get("step_time_ms") or [])[warmup_steps:])
+    medians = [statistics.median(times) for times in by_rank.values() if times]
+    if medians:
+        return max(medians)
+    own = [m for m in (_ranks_max(run, "median_step_time_ms") for run in runs) if m is not None]
+    return statistics.median(own) if own else None
+
+
+def _highest(values: list[int | None]) -> int | None:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
+
+
+def build_record(job: Job, baselines: list[dict], offloaded: list[dict], command: str,
+                 references: list[dict] | None = None) -> dict:
+    """The job's record (`RECORD_FIELDS`) from its runs' JSON, one per round (`--repeats`): step
+    time and peak against the baseline's, losses against the ``references`` where the job has
+    them (`Job.runs`), round by round."""
+    step = pooled_step_ms(offloaded, job.warmup_steps)
+    base_step = pooled_step_ms(baselines, job.warmup_steps)
+    compared = baselines if references is None else references
     return {
         "workload": job.name,
         "system": job.system,
-        "cuda_graph": offloaded.get("cuda_graph") or graph_label(job.graph),
+        "cuda_graph": offloaded[0].get("cuda_graph") or graph_label(job.graph),
         "modules": job.workload.module_list,
         "step_ms": None if step is None else round(step, 3),
-        "peak_bytes": peak_bytes(offloaded),
+        "peak_bytes": _highest([peak_bytes(run) for run in offloaded]),
         "baseline_step_ms": None if base_step is None else round(base_step, 3),
-        "baseline_peak_bytes": peak_bytes(baseline),
-        "losses_bitwise": losses_bitwise(baseline if reference is None else reference, offloaded),
-        "device": offloaded.get("device"),
+        "baseline_peak_bytes": _highest([peak_bytes(run) for run in baselines]),
+        "losses_bitwise": len(compared) == len(offloaded) and all(
+            losses_bitwise(ref, off) for ref, off in zip(compared, offloaded)),
+        "device": offloaded[0].get("device"),
         "command": command,
     }
 
@@ -249,24 +278,26 @@ def run_example(example: list[str], args: list[str], out: Path, timeout: float) 
     return rc, result
 
 
-def run_job(job: Job, example: list[str], runs_dir: Path, timeout: float,
-            reuse: bool) -> tuple[dict | None, str | None]:
-    """Run (or, with ``reuse``, read back) a job's runs (`Job.runs`); (record, failure)."""
-    results = {}
-    commands = {}
-    for run in job.runs:
-        args = job.args(run)
-        out = runs_dir / f"{job.key}-{run}.json"
-        cached = json.loads(out.read_text()) if reuse and out.exists() else None
-        if cached is not None and cached.get("ok"):
-            results[run], commands[run] = cached, shown_command(example, args)
-            continue
-        rc, result = run_example(example, args, out, timeout)
-        why = run_failure(rc, result)
-        if why is not None:
-            return None, f"{out.stem}: {why} (log: {out.with_suffix('.log')})"
-        results[run], commands[run] = result, shown_command(example, args)
-    return build_record(job, results["baseline"], results["offload"], commands["offload"], results.get("reference")), None
+def run_job(job: Job, example: list[str], runs_dir: Path, timeout: float, reuse: bool,
+            repeats: int = 1) -> tuple[dict | None, str | None]:
+    """Run (or, with ``reuse``, read back) a job's runs (`Job.runs`), ``repeats`` rounds of them
+    (the first round's files are ``<key>-<run>.json``, round k's ``<key>-<run>-r<k>.json``);
+    (record, failure)."""
+    results: dict[str, list[dict]] = {run: [] for run in job.runs}
+    for round_ in range(1, repeats + 1):
+        for run in job.runs:
+            out = runs_dir / f"{job.key}-{run}{'' if round_ == 1 else f'-r{round_}'}.json"
+            cached = json.loads(out.read_text()) if reuse and out.exists() else None
+            if cached is not None and cached.get("ok"):
+                results[run].append(cached)
+                continue
+            rc, result = run_example(example, job.args(run), out, timeout)
+            why = run_failure(rc, result)
+            if why is not None:
+                return None, f"{out.stem}: {why} (log: {out.with_suffix('.log')})"
+            results[run].append(result)
+    command = shown_command(example, job.args("offload"))
+    return build_record(job, results["baseline"], results["offload"], command, results.get("reference")), None
 
 
 def record_key(record: dict) -> tuple[str, str, str]:
@@ -327,6 +358,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--example", default=f"{shlex.quote(sys.executable)} examples/megatron_gpt.py",
                    help="the command that runs the example (default: this Python)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds of each job's runs, alternating, each run in its own process; the record pools them")
     p.add_argument("--runs-dir", type=Path, default=ROOT / "docs/results/megatron/headtohead_runs")
     p.add_argument("--out", type=Path, default=ROOT / "docs/results/megatron/headtohead.json")
     p.add_argument("--markdown", type=Path, default=ROOT / "docs/megatron.md",
@@ -339,6 +372,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown += [s for s in args.systems.split(",") if s not in SYSTEMS]
     if unknown:
         p.error(f"unknown workload or system: {', '.join(unknown)}")
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.modules:
         if not args.tag:
             p.error(MODULES_NEED_A_TAG)
@@ -395,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     records, failures = [], []
     for job in jobs:
         print(f"{job.key}:", file=sys.stderr, flush=True)
-        record, failure = run_job(job, example, args.runs_dir, args.timeout, args.reuse)
+        record, failure = run_job(job, example, args.runs_dir, args.timeout, args.reuse, args.repeats)
         if record is not None:
             records.append(record)
         else:

@@ -115,10 +115,10 @@ def test_modules_replace_the_workloads_names_only_in_a_tagged_variant(h2h, capsy
 def test_losses_compare_with_the_reference_where_the_baseline_differs(h2h):
     job = h2h.Job(h2h.WORKLOADS["moe_act_vs_full_recompute"], "offload")
     full, same = _run([["0x1.8p+1"]], 120.0, 9 << 30), _run([["0x1.4p+1"]], 100.0, 10 << 30)
-    record = h2h.build_record(job, full, same, "", reference=_run([["0x1.4p+1"]], 101.0, 11 << 30))
+    record = h2h.build_record(job, [full], [same], "", references=[_run([["0x1.4p+1"]], 101.0, 11 << 30)])
     assert record["losses_bitwise"] is True
     assert (record["baseline_step_ms"], record["baseline_peak_bytes"]) == (120.0, 9 << 30)
-    assert h2h.build_record(job, full, same, "")["losses_bitwise"] is False
+    assert h2h.build_record(job, [full], [same], "")["losses_bitwise"] is False
 
 
 # --------------------------------------------------------------------------- the records
@@ -126,7 +126,7 @@ def test_record_has_exactly_the_fields_and_counts_graph_pools(h2h):
     job = h2h.Job(h2h.WORKLOADS["dsv3_proxy"], "megatron", ("transformer_engine", "attn"))
     base = _run([["0x1.8p+1", "0x1.4p+1"]], 100.0, 10 << 30, pools=1 << 30, graph="transformer_engine:attn")
     off = _run([["0x1.8p+1", "0x1.4p+1"]], 101.5, 8 << 30, pools=1 << 30, graph="transformer_engine:attn")
-    record = h2h.build_record(job, base, off, "python examples/megatron_gpt.py ...")
+    record = h2h.build_record(job, [base], [off], "python examples/megatron_gpt.py ...")
     assert tuple(record) == h2h.RECORD_FIELDS
     assert record == {
         "workload": "dsv3_proxy", "system": "megatron", "cuda_graph": "transformer_engine:attn",
@@ -135,8 +135,32 @@ def test_record_has_exactly_the_fields_and_counts_graph_pools(h2h):
         "device": "NVIDIA H100 80GB HBM3", "command": "python examples/megatron_gpt.py ...",
     }
     off["loss_hex"] = [["0x1.8p+1", "0x1.4000000000001p+1"]]
-    assert h2h.build_record(job, base, off, "")["losses_bitwise"] is False
+    assert h2h.build_record(job, [base], [off], "")["losses_bitwise"] is False
     assert h2h.losses_bitwise(_run([], 1, 1), _run([], 1, 1)) is False  # no losses: nothing shown equal
+
+
+def test_rounds_pool_their_measured_steps_take_the_highest_peak_and_all_their_losses(h2h):
+    """``--repeats``: the step time is the median of every round's measured steps together, per
+    rank, the slowest rank's (not a median of medians); a run without per-step times counts by
+    its own median; the peak is the highest; one round's losses that differ make it False."""
+    job = h2h.Job(h2h.WORKLOADS["dense_16k"], "offload")  # 2 warm-up steps
+
+    def timed(steps_per_rank, peak, loss="0x1p+0"):
+        run = _run([[loss]], 0.0, peak)
+        run["per_rank"] = [{"peak_memory_bytes": peak, "step_time_ms": steps} for steps in steps_per_rank]
+        return run
+
+    base = [timed([[900, 900, 100, 101, 102]], 5 << 30), timed([[900, 900, 110, 111, 112]], 5 << 30)]
+    off = [timed([[900, 900, 100, 100, 130], [900, 900, 1, 1, 1]], 4 << 30),
+           timed([[900, 900, 120, 120, 120], [900, 900, 1, 1, 1]], 3 << 30)]
+    record = h2h.build_record(job, base, off, "")
+    assert (record["baseline_step_ms"], record["step_ms"]) == (106.0, 120.0)  # not 110, a median of medians
+    assert (record["peak_bytes"], record["baseline_peak_bytes"], record["losses_bitwise"]) == (4 << 30, 5 << 30, True)
+    off[1]["loss_hex"] = [["0x1.0000000000001p+0"]]
+    assert h2h.build_record(job, base, off, "")["losses_bitwise"] is False
+    assert h2h.build_record(job, base[:1], off, "")["losses_bitwise"] is False  # a round without its baseline
+    plain = [_run([["0x1p+0"]], ms, 1) for ms in (100.0, 130.0, 110.0)]
+    assert h2h.pooled_step_ms(plain, 2) == 110.0
 
 
 def test_run_failures_are_named(h2h):
@@ -150,8 +174,8 @@ def test_run_failures_are_named(h2h):
 
 def test_records_merge_by_key_and_the_table_goes_between_the_markers(h2h, tmp_path):
     job = h2h.Job(h2h.WORKLOADS["dense_16k"], "offload")
-    old = h2h.build_record(job, _run([["0x1p+0"]], 100.0, 4 << 30), _run([["0x1p+0"]], 200.0, 3 << 30), "old")
-    new = h2h.build_record(job, _run([["0x1p+0"]], 100.0, 4 << 30), _run([["0x1p+0"]], 102.0, 3 << 30), "new")
+    old = h2h.build_record(job, [_run([["0x1p+0"]], 100.0, 4 << 30)], [_run([["0x1p+0"]], 200.0, 3 << 30)], "old")
+    new = h2h.build_record(job, [_run([["0x1p+0"]], 100.0, 4 << 30)], [_run([["0x1p+0"]], 102.0, 3 << 30)], "new")
     other = dict(new, system="megatron")
     merged = h2h.merge_records([old, other], [new])
     assert [r["command"] for r in merged] == ["new", "new"] and [r["system"] for r in merged] == ["megatron", "offload"]
@@ -195,21 +219,27 @@ def test_a_failed_run_exits_1_and_writes_no_record(h2h, tmp_path, capsys):
 
 
 def test_one_job_end_to_end_on_the_cpu(h2h, tmp_path):
-    out, doc = tmp_path / "h2h.json", tmp_path / "megatron.md"
+    """Two rounds (``--repeats 2``) of one job through the example on the CPU: four runs, the
+    record pooled from them."""
+    out, doc, runs = tmp_path / "h2h.json", tmp_path / "megatron.md", tmp_path / "runs"
     doc.write_text(f"{h2h.MARKERS[0]}\n{h2h.MARKERS[1]}\n")
     rc = h2h.main(["--workloads", "dense_16k", "--systems", "offload", "--graphs", "none", "--measured-steps", "2",
-                   "--extra", TINY,
-                   "--example", CPU_EXAMPLE, "--runs-dir", str(tmp_path / "runs"), "--out", str(out),
+                   "--extra", TINY, "--repeats", "2",
+                   "--example", CPU_EXAMPLE, "--runs-dir", str(runs), "--out", str(out),
                    "--markdown", str(doc)])
     assert rc == 0
+    assert sorted(p.name for p in runs.glob("*.json")) == [
+        "dense_16k-offload-none-baseline-r2.json", "dense_16k-offload-none-baseline.json",
+        "dense_16k-offload-none-offload-r2.json", "dense_16k-offload-none-offload.json"]
+    rounds = [json.loads((runs / f"dense_16k-offload-none-offload{s}.json").read_text()) for s in ("", "-r2")]
     [record] = json.loads(out.read_text())
+    assert record["step_ms"] == round(h2h.pooled_step_ms(rounds, 2), 3)
     assert record["workload"] == "dense_16k" and record["system"] == "offload" and record["cuda_graph"] == "none"
     assert record["losses_bitwise"] is True and record["device"] == "cpu" and record["step_ms"] > 0
     assert record["command"] == (f"python {ROOT / 'tests/integrations/megatron_cpu.py'} --model dense_16k --system "
                                  "offload --steps 4 --warmup-steps 2 --offload-modules=qkv_linear,core_attn,attn_proj "
                                  + TINY)
-    run = json.loads((tmp_path / "runs" / "dense_16k-offload-none-offload.json").read_text())
-    assert run["per_rank"][0]["offload"]["by_name"]["core_attn"]["bytes_offloaded"] > 0
+    assert rounds[0]["per_rank"][0]["offload"]["by_name"]["core_attn"]["bytes_offloaded"] > 0
     assert "| dense_16k | offload | none |" in doc.read_text()
 
 
