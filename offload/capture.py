@@ -82,10 +82,12 @@ Note [C4] Reloads issued after the backward replay of the graph before. Under [C
     (`ReplayCopies.issues`), else raises `OffloadError` before it replays: the graphs' backward
     did not run in capture order. A backward graph that reloads nothing waits on no replay and is
     not checked: its region's groups were all kept (Note [C1]: a pipeline order captures such a
-    region's forward right before another backward), or copied nothing because something else
-    held what they saved (Note [8] of `offload.copy_queue`; a captured group gets no second
-    look). Megatron's attention-only graphs of an MoE model with ``attn_norm`` were refused
-    as out of order when such graphs were still registered as waiting.
+    region's forward right before another backward), or copied nothing: what they saved was
+    held elsewhere (Note [8] of `offload.copy_queue`; a captured group gets no second look), or
+    was only the graph's static input, a leaf that requires grad, which the policy never
+    copies. Megatron's attention-only graphs of an MoE model with ``attn_norm`` (whose norm
+    saves the graph's input) were refused as out of order when such graphs were still
+    registered as waiting.
 """
 
 from __future__ import annotations
