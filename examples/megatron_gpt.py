@@ -31,7 +31,8 @@ both systems run with them, this library capturing the names inside the graphs t
 
 Each run writes ``--json``: the device, the command, per-step losses (exact: ``float.hex``),
 a hash of the trained parameters, and per rank the peak memory (plus the CUDA graphs' private
-pools) and the step times (median after ``--warmup-steps``), plus the engine's statistics. Two
+pools), the step times (median after ``--warmup-steps``) and, after each step, the memory
+allocators' counts (``memory_counts_per_step``: `memory_counts`), plus the engine's statistics. Two
 runs whose ``loss_hex`` and ``param_sha256`` agree trained bitwise identically.
 ``--alternate-baseline`` alternates the measured steps between offloading and none
 (`offload.suspended`), ending with one that offloads, and reports both kinds' median step and
@@ -435,6 +436,20 @@ def forward_step(data_iterator, model):
     return output, loss_func
 
 
+ALLOCATOR_COUNTS = {"device_allocs": "num_device_alloc", "device_frees": "num_device_free",
+                    "alloc_retries": "num_alloc_retries", "syncs_all_streams": "num_sync_all_streams"}
+
+
+def memory_counts(memory_stats: dict, stats) -> dict:
+    """Cumulative counts after a step: the CUDA caching allocator's ``cudaMalloc`` and ``cudaFree``
+    calls, its retries after emptying its cache and its waits for every stream (each a
+    synchronize), and this library's pinned host allocations (``None`` without its statistics).
+    A step that is slower than the steady ones while these grow paid for memory, not for copies."""
+    out = {key: memory_stats.get(name, 0) for key, name in ALLOCATOR_COUNTS.items()}
+    out["pinned_allocations"] = None if stats is None else stats.pinned_allocations
+    return out
+
+
 def stats_summary(stats) -> dict:
     if stats is None:
         return {}
@@ -522,6 +537,7 @@ def run(args: argparse.Namespace) -> dict:
 
     losses, times = [], []
     baseline_times, peaks = [], {True: 0, False: 0}  # peaks: offloading on / suspended
+    counts = []  # memory_counts after each step (on the GPU)
     setup_bytes = torch.cuda.memory_allocated() if cuda else 0
     for step in range(args.steps):
         if graphs is not None and step == args.cuda_graph_warmup_steps:
@@ -555,6 +571,8 @@ def run(args: argparse.Namespace) -> dict:
             (times if offloading else baseline_times).append((time.perf_counter() - start) * 1e3)
         if cuda and measured and not traced:
             peaks[offloading] = max(peaks[offloading], torch.cuda.max_memory_allocated())
+        if cuda:
+            counts.append(memory_counts(torch.cuda.memory_stats(), handle.last_stats))
         losses.append([d["lm loss"].item() for d in out] if out else [])
     pools = graph_pool_bytes(cuda)
     if graphs is not None and graphs.graphs_created():
@@ -578,6 +596,7 @@ def run(args: argparse.Namespace) -> dict:
         "peak_memory_bytes": peaks[True] if cuda else None,
         "graph_pool_bytes": pools,
         "step_time_ms": times,
+        "memory_counts_per_step": counts,
         "median_step_time_ms": statistics.median(times[args.warmup_steps:] or times),
         "alternate_baseline": None if not args.alternate_baseline else {
             "step_time_ms": baseline_times, "median_step_time_ms": statistics.median(baseline_times),

@@ -339,3 +339,18 @@ def test_example_drops_the_autograd_history_megatrons_dispatcher_keeps_before_a_
     assert all(torch.equal(p, params[n]) for n, p in model.named_parameters())
     assert example.drop_autograd_history_kept_by_modules([model]) == 0
     train(model, fb_no_pipelining(), steps=1)  # the next forward sets them again
+
+
+def test_example_memory_counts_name_the_allocators_calls_and_the_pinned_pool(example):
+    """``memory_counts_per_step``: the caching allocator's counters by the names the JSON gives
+    them (absent counters count 0), and this library's pinned allocations, ``None`` without its
+    statistics (Megatron's own offloading)."""
+    from types import SimpleNamespace
+
+    stats = {"num_device_alloc": 7, "num_device_free": 3, "num_alloc_retries": 1, "num_sync_all_streams": 2,
+             "allocated_bytes.all.current": 5}
+    counts = example.memory_counts(stats, SimpleNamespace(pinned_allocations=4))
+    assert counts == {"device_allocs": 7, "device_frees": 3, "alloc_retries": 1, "syncs_all_streams": 2,
+                      "pinned_allocations": 4}
+    assert example.memory_counts({}, None) == {"device_allocs": 0, "device_frees": 0, "alloc_retries": 0,
+                                               "syncs_all_streams": 0, "pinned_allocations": None}
