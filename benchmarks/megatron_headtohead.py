@@ -18,7 +18,8 @@ all records replaces the one between the ``headtohead`` markers of docs/megatron
 With ``--repeats N`` a job's runs go N times, alternating (baseline, offloading, baseline, ...),
 each in a process of its own: the record's step times are the medians of all the rounds'
 measured steps together (a host-paced step varies between processes by more than a few percent),
-its peaks the highest, and its losses bitwise only if every round's are.
+its peaks the highest, and its losses bitwise only if every round's are. ``--warmup-steps N``
+leaves each run's first N steps out of its times and peaks (default 2, or 6 with CUDA graphs).
 Variants (FP8, pipeline parallelism) go through ``--extra`` and get a ``--tag``:
 
     python benchmarks/megatron_headtohead.py --extra "--fp8 current" --tag fp8-current
@@ -122,6 +123,12 @@ class Job:
     measured_steps: int = 20
     extra: tuple[str, ...] = field(default=())
     tag: str = ""
+    warmup: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.warmup is not None and self.warmup < self.fewest_warmup_steps:
+            raise ValueError(f"--warmup-steps {self.warmup}: {self.key} needs at least {self.fewest_warmup_steps} "
+                             "(with CUDA graphs: their 3 warm-up steps, the capture and one more)")
 
     @property
     def name(self) -> str:
@@ -134,8 +141,15 @@ class Job:
         return f"{self.name.replace('/', '-')}-{self.system}-{graph}"
 
     @property
+    def fewest_warmup_steps(self) -> int:
+        return 1 if self.graph is None else 3 + 3  # the graphs' 3 warm-up steps, the capture, one more
+
+    @property
     def warmup_steps(self) -> int:
-        return 2 if self.graph is None else 3 + 3  # the graphs' 3 warm-up steps, the capture, one more
+        """Steps left out of times and peaks: ``warmup`` if given, else 2 without graphs, 6 with them."""
+        if self.warmup is not None:
+            return self.warmup
+        return 2 if self.graph is None else self.fewest_warmup_steps
 
     @property
     def runs(self) -> tuple[str, ...]:
@@ -162,11 +176,11 @@ class Job:
 
 def build_jobs(workloads: list[Workload], systems: list[str], graphs: str = "all",
                measured_steps: int = 20, extra: tuple[str, ...] = (), tag: str = "",
-               modules: str = "") -> list[Job]:
+               modules: str = "", warmup: int | None = None) -> list[Job]:
     """The jobs: each workload × system without graphs (``graphs`` ``all`` or ``none``), and with
     each of the workload's graph modes (``all`` or ``only``). ``modules``, when given, replaces the
     workloads' offloaded names; such a variant needs a ``tag``, so that its records do not take the
-    place of the workload's own."""
+    place of the workload's own. ``warmup`` replaces each run's warm-up steps (`Job.warmup_steps`)."""
     if modules and not tag:
         raise ValueError(MODULES_NEED_A_TAG)
     jobs = []
@@ -177,7 +191,7 @@ def build_jobs(workloads: list[Workload], systems: list[str], graphs: str = "all
             modes: list[tuple[str, str] | None] = [] if graphs == "only" else [None]
             if graphs != "none":
                 modes += list(w.graphs)
-            jobs += [Job(w, system, g, measured_steps, tuple(extra), tag) for g in modes]
+            jobs += [Job(w, system, g, measured_steps, tuple(extra), tag, warmup) for g in modes]
     return jobs
 
 
@@ -351,6 +365,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--graphs", choices=["all", "none", "only"], default="all",
                    help="all: without and with each workload's CUDA-graph modes; none: without; only: with")
     p.add_argument("--measured-steps", type=int, default=20, help="timed steps per run, after the warm-up")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="steps per run left out of times and peaks (default: 2, or 6 with CUDA graphs); at "
+                        "DeepSeek-V3's widths the steps shorten over a run's first ten")
     p.add_argument("--extra", default="", help="appended to every run's arguments (e.g. '--fp8 current')")
     p.add_argument("--modules", default="",
                    help="offload these names instead of the workload's (needs --tag), e.g. attn_norm,mlp_norm,moe_act")
@@ -419,8 +436,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.table_only:
         write_outputs(args.out, [], markdown)
         return 0
-    jobs = build_jobs([WORKLOADS[w] for w in args.workloads.split(",")], args.systems.split(","), args.graphs,
-                      args.measured_steps, tuple(shlex.split(args.extra)), args.tag, args.modules)
+    try:
+        jobs = build_jobs([WORKLOADS[w] for w in args.workloads.split(",")], args.systems.split(","), args.graphs,
+                          args.measured_steps, tuple(shlex.split(args.extra)), args.tag, args.modules,
+                          args.warmup_steps)
+    except ValueError as exc:  # a job refused its settings before any run
+        print(f"megatron_headtohead.py: {exc}", file=sys.stderr)
+        return 2
     example = shlex.split(args.example)
     if args.list:
         for job in jobs:

@@ -354,3 +354,21 @@ def test_example_memory_counts_name_the_allocators_calls_and_the_pinned_pool(exa
                       "pinned_allocations": 4}
     assert example.memory_counts({}, None) == {"device_allocs": 0, "device_frees": 0, "alloc_retries": 0,
                                                "syncs_all_streams": 0, "pinned_allocations": None}
+
+
+def test_warmup_steps_replace_each_runs_warmup_and_graphed_runs_keep_their_capture(h2h, capsys):
+    """``--warmup-steps`` sets both runs' ``--warmup-steps`` and lengthens ``--steps`` by as much;
+    a graphed job refuses fewer warm-up steps than its capture needs, before any run."""
+    job, = h2h.build_jobs([h2h.WORKLOADS["dsv3_proxy"]], ["offload"], graphs="none", measured_steps=10, warmup=8)
+    for run in job.runs:
+        args = job.args(run)
+        assert args[args.index("--steps") + 1] == "18" and args[args.index("--warmup-steps") + 1] == "8"
+    plain, graphed = h2h.build_jobs([h2h.WORKLOADS["dsv3_proxy"]], ["offload"], measured_steps=10)
+    assert (plain.warmup_steps, graphed.warmup_steps) == (2, 6)
+    with pytest.raises(ValueError, match="--warmup-steps 4: dsv3_proxy-offload-transformer_engine-attn needs at least 6"):
+        h2h.build_jobs([h2h.WORKLOADS["dsv3_proxy"]], ["offload"], graphs="only", warmup=4)
+    assert h2h.main(["--list", "--workloads", "dsv3_proxy", "--systems", "offload", "--warmup-steps", "4"]) == 2
+    assert "needs at least 6" in capsys.readouterr().err
+    assert h2h.main(["--list", "--workloads", "dsv3_proxy", "--systems", "offload", "--graphs", "none",
+                     "--warmup-steps", "8", "--measured-steps", "10"]) == 0
+    assert "--steps 18 --warmup-steps 8" in capsys.readouterr().out
