@@ -10,8 +10,9 @@
 A complete training loop the way Megatron-LM runs one: megatron-core's local layer spec or its
 Transformer Engine spec (``--transformer-impl``), ``Float16Module`` for bf16, Megatron's own
 ``forward_backward_func`` (no pipelining, 1F1B, or the interleaved schedule with ``--vpp``, its
-sends and receives set as Megatron-LM sets them: `p2p_kwargs`), an AdamW step. Offloading is three lines: `add_arguments` on the parser, `apply_from_args` on the
-model chunks, ``.wrap`` on the schedule function. Without ``--offload-modules`` they change
+sends and receives set as Megatron-LM sets them: `p2p_kwargs`), an AdamW step. Offloading is
+three lines: `add_arguments` on the parser, `apply_from_args` on the model chunks, ``.wrap`` on
+the schedule function. Without ``--offload-modules`` they change
 nothing. ``--offload-modules=auto`` with ``--offload-memory-budget`` (or
 ``--offload-memory-budget-gib``) lets the planner choose names and recompute under the budget on
 the first step, and prints its table (docs/megatron.md); the flags are checked here, before
@@ -32,8 +33,8 @@ both systems run with them, this library capturing the names inside the graphs t
 Each run writes ``--json``: the device, the command, per-step losses (exact: ``float.hex``),
 a hash of the trained parameters, and per rank the peak memory (plus the CUDA graphs' private
 pools), the step times (median after ``--warmup-steps``) and, after each step, the memory
-allocators' counts (``memory_counts_per_step``: `memory_counts`), plus the engine's statistics. Two
-runs whose ``loss_hex`` and ``param_sha256`` agree trained bitwise identically.
+allocators' counts (``memory_counts_per_step``: `memory_counts`), plus the engine's statistics.
+Two runs whose ``loss_hex`` and ``param_sha256`` agree trained bitwise identically.
 ``--alternate-baseline`` alternates the measured steps between offloading and none
 (`offload.suspended`), ending with one that offloads, and reports both kinds' median step and
 peak (``alternate_baseline``): a comparison that drift between processes cannot bias.

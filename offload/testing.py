@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import socket
 import time
 from typing import Any, Callable
 
@@ -243,6 +244,13 @@ def first_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
             diff = (x.float() - y.float()).abs().max().item()
             return f"{name}: max abs difference {diff:g}"
     return None
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now: the rendezvous of a test's process group."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def graph_pool_segments() -> list[dict]:

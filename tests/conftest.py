@@ -78,7 +78,9 @@ def megatron_cpu():
     """Patch megatron-core for the CPU and start gloo with world size 1 (for a test module;
     the patches are in tests/integrations/megatron_cpu.py, shared with the ranks of its run_example)."""
     from megatron.core import parallel_state
-    from megatron_cpu import apply_cpu_patches, free_port  # tests/integrations, on sys.path there
+    from megatron_cpu import apply_cpu_patches  # tests/integrations, on sys.path there
+
+    from offload.testing import free_port
 
     mp = apply_cpu_patches()
     started = not torch.distributed.is_initialized()

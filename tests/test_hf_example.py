@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer  # noqa: E40
 
 from offload import presets  # noqa: E402
 from offload.presets import checkpoint_wraps_hooks  # noqa: E402
+from offload.testing import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,10 +37,7 @@ def _run(*args: str, one_rank: bool = False) -> str:
     that one process (for the tests of a feature, without two more interpreters to start)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     if one_rank:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     out = subprocess.run([sys.executable, "examples/hf_finetune.py", "--device", "cpu", *args], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ if not dist.is_available() or not hasattr(fsdp, "fully_shard"):
 import offload  # noqa: E402
 from offload import presets  # noqa: E402
 from offload.chunk_handler import ChunkOffloadHandler  # noqa: E402
-from offload.testing import first_difference  # noqa: E402
+from offload.testing import first_difference, free_port  # noqa: E402
 from test_presets import token_ids, tiny_model  # noqa: E402
 
 NAMES = ["qkv_linear", "core_attn", "attn_proj", "fc1", "mlp_act", "fc2"]
@@ -39,9 +38,7 @@ def process_group():
     """A one-rank process group: gloo for CPU tensors, and NCCL for CUDA tensors where CUDA is."""
     started = not dist.is_initialized()
     if started:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     yield

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import socket
 import types
 
 import pytest
@@ -37,12 +36,6 @@ class _TorchOnCpu(types.ModuleType):
     @staticmethod
     def zeros(*args, device=None, **kwargs):
         return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Patches(pytest.MonkeyPatch):
@@ -150,6 +143,8 @@ def run_example(out_dir, name: str, world: int, argv: list[str]) -> tuple[dict, 
 
     import torch.multiprocessing as tmp
     from torch.multiprocessing.spawn import ProcessException
+
+    from offload.testing import free_port
 
     multiprocessing.get_context("forkserver").set_forkserver_preload(_FORKSERVER_PRELOAD)
     out, log = out_dir / f"{name}.json", str(out_dir / f"{name}.rank{{rank}}.log")

@@ -20,11 +20,12 @@ os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
 os.environ.setdefault("NVTE_TORCH_COMPILE", "0")
 
 import functools  # noqa: E402
-import socket  # noqa: E402
 import warnings  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from offload.testing import free_port  # noqa: E402
 
 pytest.importorskip("megatron.core")
 if not torch.cuda.is_available():
@@ -45,9 +46,7 @@ def mg():
     torch.cuda.set_device(0)
     started = not torch.distributed.is_initialized()
     if started:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(1234)
