@@ -55,7 +55,10 @@ biases, the allgather token dispatcher). With linear biases (``sequential-bias``
 adds its bias in place to a view that a custom autograd function returned, and autograd refuses
 it (megatron-core 0.16.1 and 0.19.2 alike); ``grouped-gemm`` builds TEGroupedMLP with the TE
 spec, and needs the ``grouped_gemm`` package on the local spec (0.19.2 falls back to
-SequentialMLP without it).
+SequentialMLP without it). ``grouped-gemm-capacity`` is ``grouped-gemm`` with the all-to-all
+dispatcher dropping and padding every expert to its capacity (capacity factor 1.0): the token
+counts are then known on the host, and no MoE layer syncs with it (the dropless dispatchers read
+them back every layer, which drains the GPU's queue).
 """
 
 from __future__ import annotations
@@ -124,6 +127,8 @@ MOE_VARIANTS = {
     "sequential-alltoall": dict(add_bias_linear=False, moe_token_dispatcher_type="alltoall"),
     "sequential-bias": dict(add_bias_linear=True, moe_token_dispatcher_type="allgather"),
     "grouped-gemm": dict(add_bias_linear=False, moe_token_dispatcher_type="allgather", moe_grouped_gemm=True),
+    "grouped-gemm-capacity": dict(add_bias_linear=False, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True,
+                                  moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
 }
 FP8_RECIPES = {"delayed": "delayed", "current": "tensorwise"}  # TE's current scaling is Megatron's "tensorwise"
 DEFAULTS = dict(transformer_impl="local", moe_variant="sequential", normalization="LayerNorm", swiglu=False,

@@ -82,6 +82,7 @@ def configure(
     copy_chunk_bytes: int = 16 << 20,
     timing: bool = False,
     policy: GroupPolicy | None = None,
+    copies_into_backward: bool = False,
     device: torch.device | str | None = None,
     memory_budget: Budget | str | int | None = None,
     model: nn.Module | None = None,
@@ -103,6 +104,10 @@ def configure(
     Bad arguments raise `OffloadTypeError` / `OffloadValueError` and leave the engine as it was.
     """
     if isinstance(modules, str) and modules.strip() == "auto":
+        if copies_into_backward:
+            raise OffloadValueError("offload: with modules='auto' the plan frees the copies in flight when the "
+                                    "forward's last group closes, as its memory model assumes; leave "
+                                    "copies_into_backward unset")
         _plan_automatically(memory_budget, model, mapping, step, min_tensor_bytes, max_inflight_groups,
                             max_pinned_bytes, copy_chunk_bytes, timing, policy, device)
         return PipelineOffloadManager.get()
@@ -119,6 +124,7 @@ def configure(
         copy_chunk_bytes=copy_chunk_bytes,
         timing=timing,
         policy=policy,
+        copies_into_backward=copies_into_backward,
     )
     return PipelineOffloadManager.configure(config, device)
 

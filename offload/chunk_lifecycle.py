@@ -15,13 +15,22 @@ copies are issued at the next group open (Note [7] of `offload.copy_queue`), so 
 chunk's second-to-last layer run under its last layer, within the in-flight bound as everywhere
 else. (In a chunk's first forward a group is decided only when the next group of its name
 closes.) Whatever is still in flight when the forward's last group closes would hold its
-memory through the forward's end, where the step's memory peaks. So the lifecycle also
+memory through the forward's end, where a step's memory often peaks. So the lifecycle also
 remembers which group closed last (`closes_forward`): when it closes, the records held
 elsewhere get their second look, and the compute stream waits for the copies in flight and
 their memory is freed. One wait per forward: a wait at the last group of each name would stall
 the compute stream on the copies of every name's second-to-last group as soon as each is
 issued, with no compute left to hide them. The first forward of a chunk cannot know its last
 group: its copies are waited for when its backward starts (or by the in-flight bound).
+
+With ``copies_into_backward`` (`offload.config.OffloadConfig`) the last group's close issues
+what is decided but waits for nothing: the copies run on under the forward's tail (the last
+layer's remaining modules, the head, the loss) and the backward's first modules, and the
+compute stream waits for them when the backward starts (`begin_backward`, as after a first
+forward). Their memory is held through the tail: free where the step peaks later in the
+backward, up to their bytes where the forward's end is the peak. Whether a step peaks in its
+backward is the user's to know (`max_memory_allocated` with the option and without); the
+engine cannot see where the allocator's peak falls without resetting its peak statistics.
 """
 
 from __future__ import annotations

@@ -144,6 +144,16 @@ class OffloadConfig:
         policy: which groups of the enabled names to offload, decided per group from its
             `GroupInfo` (layer, chunk, microbatch, schedule phase, live microbatches); see
             `offload.group_policy`. ``None`` offloads all of them.
+        copies_into_backward: where the compute stream waits for the copies still in flight at
+            the end of a chunk's forward that its own backward follows. ``False`` (the default):
+            when the forward's last group closes, so their memory is free before the forward's
+            tail (the last layer's remaining modules, the head, the loss), where a step's memory
+            often peaks. ``True``: when the backward starts (its first group's backward), so the
+            copies also run under the tail and the backward's first modules; their bytes are
+            held through the tail, which costs nothing where the step's peak lies later in the
+            backward (Transformer Engine's fused attention backward, for one) and costs up to
+            those bytes where the forward's end is the peak (`offload.chunk_lifecycle`, The
+            forward's end). For copies that need about as much time as the forward's compute.
     """
 
     modules: tuple[str, ...] = ()
@@ -153,6 +163,7 @@ class OffloadConfig:
     copy_chunk_bytes: int = 16 << 20
     timing: bool = False
     policy: GroupPolicy | None = None
+    copies_into_backward: bool = False
     enabled: frozenset = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -162,6 +173,9 @@ class OffloadConfig:
         check_int(self.max_inflight_groups, "max_inflight_groups", 1)
         check_int(self.copy_chunk_bytes, "copy_chunk_bytes")
         check_int(self.max_pinned_bytes, "max_pinned_bytes (or None)", none_ok=True)
+        if not isinstance(self.copies_into_backward, bool):
+            raise OffloadTypeError(f"offload: copies_into_backward must be True or False, got "
+                                   f"{self.copies_into_backward!r} ({type(self.copies_into_backward).__name__})")
         if self.policy is not None and not callable(self.policy):
             raise OffloadTypeError(
                 f"offload: policy must be a callable (GroupInfo) -> bool or None, got {self.policy!r}"

@@ -144,6 +144,13 @@ def _at_the_end(flush_ms: float) -> str:
     return f" ({flush_ms:.1f} of them at the forward's end)" if flush_ms >= 0.05 else ""
 
 
+INTO_BACKWARD = (
+    "Where the step's memory peaks in the backward rather than at the forward's end (max_memory_allocated says, "
+    "with the option and without), offload.configure(..., copies_into_backward=True) "
+    "(--offload-copies-into-backward) waits for the copies still in flight at the forward's end when the "
+    "backward starts instead, so that they run on under the forward's tail.")
+
+
 def _instead(names: Sequence[NameFigures], max_inflight_groups: int) -> str:
     offloading = [n for n in names if n.groups > 0]
     known = [n for n in offloading if n.share is not None]
@@ -190,10 +197,11 @@ def _instead(names: Sequence[NameFigures], max_inflight_groups: int) -> str:
 
 
 def copy_wait_notice(names: Sequence[NameFigures], step_ms: float, iterations: Sequence[int] = (),
-                     max_inflight_groups: int = 1) -> str | None:
+                     max_inflight_groups: int = 1, copies_into_backward: bool = False) -> str | None:
     """The notice for these figures (``names``: one per group name; ``step_ms``: the measured
     step; ``iterations``: which were measured), or ``None`` when the compute stream waited for
-    copies at most `THRESHOLD` of the step."""
+    copies at most `THRESHOLD` of the step. Where most waits for copies out are at the
+    forward's end and ``copies_into_backward`` is off, a last line says what it would do."""
     waited = sum(n.wait_ms for n in names)
     if step_ms <= 0 or waited <= THRESHOLD * step_ms:
         return None
@@ -203,6 +211,9 @@ def copy_wait_notice(names: Sequence[NameFigures], step_ms: float, iterations: S
              f"{where}said once per process):"]
     lines += [_describe(n) for n in sorted(names, key=lambda n: -n.wait_ms)]
     lines.append(_instead(names, max_inflight_groups))
+    out = sum(n.offload_wait_ms for n in names)
+    if not copies_into_backward and 2 * sum(n.flush_wait_ms for n in names) > out:
+        lines.append(INTO_BACKWARD)
     return "\n".join(lines)
 
 
@@ -249,9 +260,10 @@ class CopyWaitProbe:
     (the hot path's only cost otherwise is reading that flag), `end_iteration`, `abort`.
     After the decision, ``figures``, ``step_ms`` and ``notice`` keep what was decided."""
 
-    def __init__(self, streams: Any, max_inflight_groups: int = 1) -> None:
+    def __init__(self, streams: Any, max_inflight_groups: int = 1, copies_into_backward: bool = False) -> None:
         self.streams = streams
         self.max_inflight_groups = max_inflight_groups
+        self.copies_into_backward = copies_into_backward
         self.recording = False  # the iteration in progress is measured
         self.done = False  # decided, or gave up: it measures nothing more
         self.figures: list[NameFigures] = []
@@ -325,6 +337,7 @@ class CopyWaitProbe:
                 self.figures.append(_figures(name, s, count, layers.get(name)))
         iterations = [m.iteration for m in self._measured]
         self._measured, self._totals, self.done = [], {}, True
-        self.notice = copy_wait_notice(self.figures, self.step_ms, iterations, self.max_inflight_groups)
+        self.notice = copy_wait_notice(self.figures, self.step_ms, iterations, self.max_inflight_groups,
+                                       self.copies_into_backward)
         if self.notice is not None:
             say_once("copy_wait", self.notice, stacklevel=6)  # the caller of offload.end_iteration()

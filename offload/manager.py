@@ -225,7 +225,10 @@ class PipelineOffloadManager:
             self.copies.defer(decided)  # issued at the next group's open: Note [7] of offload.copy_queue
         if group.capture is None and self.chunks.closes_forward(group):
             self.copies.offload_released(group.handler)  # Note [8] of offload.copy_queue
-            self.copies.flush()  # the forward's end: see offload.chunk_lifecycle
+            if self.config.copies_into_backward:
+                self.copies.launch_deferred(bound=False)  # waited for when the backward begins
+            else:
+                self.copies.flush()  # the forward's end: see offload.chunk_lifecycle
         self.copies.poll()
 
     def after_host_sync(self) -> None:

@@ -121,7 +121,8 @@ class StatsRecorder:
         a copy-wait probe where names are configured and copies can be timed (CUDA)."""
         from .copy_wait import CopyWaitProbe  # it imports this module
 
-        probe = CopyWaitProbe(streams, config.max_inflight_groups) if streams.is_cuda and config.enabled else None
+        probe = (CopyWaitProbe(streams, config.max_inflight_groups, config.copies_into_backward)
+                 if streams.is_cuda and config.enabled else None)
         return cls(probe, always_timed=streams.is_cuda and config.timing)
 
     @property

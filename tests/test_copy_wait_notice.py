@@ -12,7 +12,7 @@ import torch
 
 import offload
 from offload import notices
-from offload.copy_wait import (GIVE_UP, MAX_SUBSET_NAMES, CopyWaitProbe, NameFigures, copy_wait_notice,
+from offload.copy_wait import (GIVE_UP, INTO_BACKWARD, MAX_SUBSET_NAMES, CopyWaitProbe, NameFigures, copy_wait_notice,
                                fitting_subset)
 from offload.config import OffloadConfig
 from offload.pinned_pool import PinnedHostPool
@@ -84,7 +84,10 @@ def test_copies_that_fit_waited_for_at_the_forwards_end_say_so():
     """Most of the waits for copies out timed at the flush: the forward's end, not the bound."""
     names = [NameFigures("moe_act", 28, 4.6e8, d2h_ms=8.6, h2d_ms=8.6, layer_ms=12.8, offload_wait_ms=33.8,
                          reload_wait_ms=2.8, flush_wait_ms=30.0)]
-    assert copy_wait_notice(names, 952.4).split("\n")[-1] == (
+    lines = copy_wait_notice(names, 952.4).split("\n")
+    assert lines[-1] == INTO_BACKWARD
+    assert copy_wait_notice(names, 952.4, copies_into_backward=True).split("\n") == lines[:-1]
+    assert lines[-2] == (
         "Instead: their copies out need 67% of the forward compute they run under, so they fit at the measured "
         "rate; the waits come from the forward's end (30.0 of the 33.8 ms per step for copies out): there the "
         "compute stream waits for the copies still in flight so that the peak does not hold them, and a copy "

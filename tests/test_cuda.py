@@ -25,10 +25,12 @@ pytestmark = [*CUDA_ONLY, pytest.mark.usefixtures("deterministic")]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("variant", ["plain", "slow_copies", "host_ahead", "torch_copies"])
+@pytest.mark.parametrize("variant", ["plain", "slow_copies", "host_ahead", "torch_copies", "into_backward"])
 def test_stack_gradients_bitwise_equal(configure, monkeypatch, dtype, variant):
     """``torch_copies``: the copies through ``Tensor.copy_``, the path taken where CUDA's runtime
-    is not a shared library that the engine can call (`offload.streams._runtime_memcpy`)."""
+    is not a shared library that the engine can call (`offload.streams._runtime_memcpy`).
+    ``into_backward``: copies slowed and ``copies_into_backward``, so the second-to-last layer's
+    copies are still running when the backward starts and waits for them."""
     hidden, heads, layers, seq, batch = 256, 4, 4, 256, 2
     model = build_gpt(hidden, heads, layers, dtype=dtype, device="cuda")
     ref_model = copy.deepcopy(model)
@@ -36,11 +38,12 @@ def test_stack_gradients_bitwise_equal(configure, monkeypatch, dtype, variant):
     reproducible(lambda: train_step(ref_model, x, g))
 
     inflight = 2 if variant == "plain" else 1  # the default, 1, forces the most waits
-    manager = configure(list(GPT_MAPPING), min_tensor_bytes=1024, max_inflight_groups=inflight, device="cuda")
+    manager = configure(list(GPT_MAPPING), min_tensor_bytes=1024, max_inflight_groups=inflight, device="cuda",
+                        copies_into_backward=variant == "into_backward")
     offload.attach(model, GPT_MAPPING)
     if variant == "torch_copies":
         manager.streams._memcpy = None
-    if variant == "slow_copies":
+    if variant in ("slow_copies", "into_backward"):
         slow_side_streams(monkeypatch)
     for it in range(20):
         x, g = seeded_pair(it + 1, seq, batch, hidden, dtype=dtype, device="cuda")

@@ -16,6 +16,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import offload
 from conftest import attention_output_stays, engine_flows, seeded_pair
 from offload.testing import GPT_MAPPING, build_gpt, cyclic_garbage, first_difference, recompute, train_step
+from offload.errors import OffloadTypeError, OffloadValueError
 
 
 @pytest.mark.parametrize("modules", [["core_attn"], ["attn_proj"], ["qkv_linear", "core_attn", "attn_proj"],
@@ -787,6 +788,51 @@ def test_the_forwards_last_group_frees_the_copies_in_flight(configure, modules):
     assert in_flight_at_forward_end[0]  # the first forward: the group before the last one
     assert in_flight_at_forward_end[1:] == [[], []]
     assert manager.live_handlers == []
+
+
+@pytest.mark.parametrize("modules", [["core_attn"], list(GPT_MAPPING)])
+def test_copies_into_backward_leave_the_forwards_copies_running_until_the_backward_starts(configure, modules):
+    """``copies_into_backward``: the forward's last group waits for nothing, so the
+    second-to-last layer's copies (and, within the in-flight bound, the layer's before) are
+    still in flight when the forward returns; the backward's
+    start waits for them and frees their memory before any reload. Gradients stay exact, with
+    copies that complete late (the CPU fallback), and every handler retires."""
+    model = build_gpt(32, 4, 4)
+    ref_model = copy.deepcopy(model)
+    manager = configure(modules, copies_into_backward=True)
+    offload.attach(model, GPT_MAPPING)
+    begin_backward = manager.chunks.begin_backward
+    in_flight_after_backward_began = []
+
+    def watched(handler):
+        begin_backward(handler)
+        in_flight_after_backward_began.append(list(manager.copies.inflight))
+
+    manager.chunks.begin_backward = watched
+    in_flight_at_forward_end = []
+    for it in range(3):
+        x, g = seeded_pair(it, 8, 2, 32)
+        model.zero_grad(set_to_none=False)
+        xx = x.detach().requires_grad_(True)
+        out = model(xx)
+        in_flight_at_forward_end.append(sorted(group.label for group in manager.copies.inflight))
+        out.backward(g)
+        _, ref = train_step(ref_model, x, g)
+        got = {n: p.grad for n, p in model.named_parameters()}
+        got["<input>"] = xx.grad
+        assert first_difference(ref, got) is None
+        assert offload.end_iteration().total().groups_kept == len(modules)
+    if modules == ["core_attn"]:  # with every name, layer 3's groups give the fallback's copies time to end
+        assert in_flight_at_forward_end[1] == in_flight_at_forward_end[2] == ["core_attn/L1/mb0", "core_attn/L2/mb0"]
+    assert in_flight_after_backward_began == [[], [], []]
+    assert manager.live_handlers == []
+
+
+def test_copies_into_backward_must_be_a_bool_and_is_not_for_the_planner():
+    with pytest.raises(OffloadTypeError, match="copies_into_backward must be True or False, got 1"):
+        offload.OffloadConfig(modules="core_attn", copies_into_backward=1)
+    with pytest.raises(OffloadValueError, match="leave copies_into_backward unset"):
+        offload.configure("auto", copies_into_backward=True, memory_budget="1GiB")
 
 
 def test_a_host_stream_wait_takes_the_event_as_it_is_when_issued():

@@ -87,12 +87,15 @@ A name the model does not have (``expert_fc1`` in a dense model) is an error tha
 Shared experts and the legacy ``GroupedMLP`` (one fused op, no fc1/fc2 submodules) are not
 mapped.
 
-Every Megatron token dispatcher reads the token counts per expert on the host before the experts
+Megatron's token dispatchers read the token counts per expert on the host before the experts
 run (the allgather dispatcher's ``.cpu()``, the others' ``_maybe_dtoh_and_synchronize``): a host
-sync per MoE layer. Each layer's experts module is attached as a host sync
+sync per MoE layer. Each such layer's experts module is attached as a host sync
 (``attach(..., host_syncs=...)``: its forward pre-hook calls `offload.after_host_sync`), so the
 copies are issued right after that sync, not before it where the sync's own small copy would
-wait behind them (Note [9] of `offload.copy_queue`).
+wait behind them (Note [9] of `offload.copy_queue`). The all-to-all dispatcher that drops and
+pads to capacity (``--moe-pad-expert-input-to-capacity``) never syncs
+(`megatron_names.syncs_with_host`): its layers' copies are issued at group opens (Note [7]), and
+the host may run ahead of the GPU through the whole forward.
 
 Composition with selective recompute (``--recompute-granularity selective --recompute-modules``).
 Megatron runs a recomputed region under ``torch.no_grad`` (``tensor_parallel.checkpoint`` for
@@ -479,6 +482,7 @@ def apply(
     min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES,
     max_inflight_groups: int = 1,
     policy: str | group_policy.GroupPolicy | None = None,
+    copies_into_backward: bool = False,
     device: torch.device | str | None = None,
     memory_budget: Budget | str | int | None = None,
     bandwidth: Any = None,
@@ -491,7 +495,9 @@ def apply(
     stages, in order), wrapped (DDP, ``Float16Module``) or not. ``policy`` is a
     `parse_policy` string or a `GroupPolicy`. Raises `UnknownModuleError` for a name that is
     not in `NAMES` or not in this model, `OffloadError` for a conflicting Megatron option
-    (`check_compatible`). Then wrap the ``forward_backward_func`` with ``.wrap(...)``. With
+    (`check_compatible`). ``copies_into_backward`` is `offload.OffloadConfig`'s (where the compute
+    stream waits for the copies in flight at a forward's end). Then wrap the
+    ``forward_backward_func`` with ``.wrap(...)``. With
     Megatron's ``--cuda-graph-impl transformer_engine``, its ``TECudaGraphHelper`` captures
     through ``offload.graphs`` until `MegatronOffload.remove` (`megatron_graphs.route_te_graphs`).
 
@@ -503,7 +509,7 @@ def apply(
     are for the plan only.
     """
     names = parse_module_list(modules)
-    budget = check_auto_options(names, memory_budget, max_inflight_groups, policy)
+    budget = check_auto_options(names, memory_budget, max_inflight_groups, policy, copies_into_backward)
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     if not chunks:
         raise ValueError("offload: apply() needs at least one model chunk")
@@ -525,8 +531,8 @@ def apply(
         policy = parse_policy(policy)
     handle = MegatronOffload(names)
     if names:
-        offload.configure(names, min_tensor_bytes=min_tensor_bytes,
-                          max_inflight_groups=max_inflight_groups, policy=policy, device=device)
+        offload.configure(names, min_tensor_bytes=min_tensor_bytes, max_inflight_groups=max_inflight_groups,
+                          policy=policy, copies_into_backward=copies_into_backward, device=device)
     try:
         for i, chunk in enumerate(chunks):
             handle.attach_chunk(chunk, i, found[i])
@@ -544,8 +550,8 @@ def apply_from_args(model: nn.Module | Sequence[nn.Module], args: argparse.Names
     """`apply` with the settings of the flags that `add_arguments` added."""
     opts = Options.from_args(args)
     return apply(model, opts.modules, min_tensor_bytes=opts.min_tensor_bytes,
-                 max_inflight_groups=opts.max_inflight_groups, policy=opts.policy, device=device,
-                 memory_budget=opts.memory_budget)
+                 max_inflight_groups=opts.max_inflight_groups, policy=opts.policy,
+                 copies_into_backward=opts.copies_into_backward, device=device, memory_budget=opts.memory_budget)
 
 
 # ------------------------------------------------------------------------------- schedule
@@ -693,6 +699,7 @@ def wrap_model_provider(
                 offload.configure(opts.modules, min_tensor_bytes=opts.min_tensor_bytes,
                                   max_inflight_groups=opts.max_inflight_groups,
                                   policy=parse_policy(opts.policy),
+                                  copies_into_backward=opts.copies_into_backward,
                                   device=None if param is None else param.device)
                 _install_schedule_hook()
             state["handle"] = handle

@@ -56,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="at most N groups' device-to-host copies in flight (default: %(default)s)",
     )
     group.add_argument(
+        "--offload-copies-into-backward", action="store_true",
+        help="wait for the copies still in flight at a forward's end when its backward starts, not when its "
+             "last group closes: they also run under the forward's tail; free where the step's memory peaks "
+             "in the backward, up to their bytes where it peaks at the forward's end",
+    )
+    group.add_argument(
         "--offload-policy", default="all", metavar="POLICY",
         help="which groups of the names to offload: all (default), warmup_only, "
              "min_live:N (only while N microbatches are live), layers:0-3,6 (these layers)",
@@ -99,6 +105,7 @@ class Options:
     max_inflight_groups: int = 1
     policy: str = "all"
     memory_budget: Budget | None = None
+    copies_into_backward: bool = False
 
     @property
     def auto(self) -> bool:
@@ -133,8 +140,10 @@ class Options:
             max_inflight_groups=getattr(args, "offload_max_inflight_groups", 1),
             policy=getattr(args, "offload_policy", "all") or "all",
             memory_budget=budget,
+            copies_into_backward=bool(getattr(args, "offload_copies_into_backward", False)),
         )
-        check_auto_options(opts.modules, opts.memory_budget, opts.max_inflight_groups, opts.policy)
+        check_auto_options(opts.modules, opts.memory_budget, opts.max_inflight_groups, opts.policy,
+                           opts.copies_into_backward)
         return opts
 
 
@@ -147,12 +156,14 @@ def _parse_budget(spec: str | int, flag: str) -> Budget:
 
 
 def check_auto_options(modules: Iterable[str], memory_budget: Budget | str | int | None,
-                       max_inflight_groups: int = 1, policy: Any = None) -> Budget | None:
+                       max_inflight_groups: int = 1, policy: Any = None,
+                       copies_into_backward: bool = False) -> Budget | None:
     """Check ``--offload-modules`` against the budget flags; returns the parsed budget.
 
-    ``auto`` needs a budget and no other name, and leaves the in-flight bound and the policy to
-    the plan; a budget needs ``auto``; other names must be in `NAMES`. Raises
-    `OffloadValueError` (`UnknownModuleError` for a name) that names the flags.
+    ``auto`` needs a budget and no other name, and leaves the in-flight bound, the policy and
+    where a forward's copies are waited for to the plan; a budget needs ``auto``; other names
+    must be in `NAMES`. Raises `OffloadValueError` (`UnknownModuleError` for a name) that names
+    the flags.
     """
     modules = tuple(modules)
     if AUTO not in modules:
@@ -177,4 +188,8 @@ def check_auto_options(modules: Iterable[str], memory_budget: Budget | str | int
         raise OffloadValueError(
             f"offload: with --offload-modules={AUTO} the plan chooses --offload-max-inflight-groups and offloads "
             "every group of the names it picks; leave --offload-max-inflight-groups and --offload-policy unset")
+    if copies_into_backward:
+        raise OffloadValueError(
+            f"offload: with --offload-modules={AUTO} the plan frees a forward's copies when its last group "
+            "closes, as its memory model assumes; leave --offload-copies-into-backward unset")
     return budget

@@ -101,8 +101,9 @@ class ChunkModules:
     name whose norm is fused into the next linear layer (Transformer Engine) to the name of
     that layer, which offloads what the norm saves. ``sequential_experts`` lists the
     SequentialMLP modules (each one ``expert_fc1`` group); ``experts`` every MoE layer's
-    experts module, whose forward starts after the token dispatcher's host sync (where the
-    integration calls `offload.after_host_sync`).
+    experts module whose forward starts after the token dispatcher's host sync (where the
+    integration calls `offload.after_host_sync`; a dispatcher that never syncs, `syncs_with_host`,
+    leaves its layer out).
     """
 
     modules: dict[str, list[str]] = field(default_factory=dict)
@@ -134,6 +135,15 @@ def _op_fused(module: Any) -> bool:
     neither ``linear_fc1`` nor ``linear_fc2`` (``TEFusedMLP``; ``TEGroupedMLP`` with
     ``use_transformer_engine_op_fuser``, megatron-core 0.19)."""
     return bool(getattr(module, "_with_fused_impl", False)) or type(module).__name__.startswith("TEFusedMLP")
+
+
+def syncs_with_host(dispatcher: Any) -> bool:
+    """Whether a MoE layer's token dispatcher reads the token counts on the host before the
+    experts run. Every Megatron dispatcher does, but the all-to-all one that drops and pads to
+    the experts' capacity (``--moe-token-dispatcher-type alltoall --moe-expert-capacity-factor F
+    --moe-pad-expert-input-to-capacity``): its counts are the capacity, known on the host."""
+    return not (type(dispatcher).__name__ == "MoEAlltoAllTokenDispatcher"
+                and getattr(dispatcher, "drop_and_pad", False) is True)
 
 
 def _describe(module: nn.Module) -> str:
@@ -211,7 +221,7 @@ def find_modules(chunk: nn.Module) -> ChunkModules:
             continue
         if _real(getattr(mlp, "router", None)):
             add("router", m + "router")
-        if _real(experts):
+        if _real(experts) and syncs_with_host(getattr(mlp, "token_dispatcher", None)):
             found.experts.append(m + "experts")
         local = getattr(experts, "local_experts", None)
         if local is not None:  # SequentialMLP: one MLP per local expert

@@ -552,6 +552,53 @@ def test_copies_are_issued_after_each_moe_layers_dispatcher_sync(mg, monkeypatch
     assert all(not m._forward_pre_hooks for n, m in model.named_modules() if n.endswith("experts"))
 
 
+def test_a_dispatcher_that_never_syncs_leaves_copies_at_group_opens(mg, monkeypatch):
+    """The all-to-all dispatcher that drops and pads to capacity knows its token counts on the
+    host (`megatron_names.syncs_with_host` is false): no experts pre-hook, no
+    `offload.after_host_sync`, the decided copies issued at group opens (Note [7] of
+    offload.copy_queue), bitwise as without offloading. The allgather dispatcher of the same
+    model keeps its sync."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    from offload.integrations.megatron_names import syncs_with_host
+
+    # the dispatcher makes a CUDA stream for its readbacks when its class has none yet
+    monkeypatch.setattr(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", object())
+    capacity = dict(moe_token_dispatcher_type="alltoall", moe_expert_capacity_factor=1.0,
+                    moe_pad_expert_input_to_capacity=True)
+    model = build(moe=True, layers=3, **capacity)
+    assert not syncs_with_host(model.decoder.layers[0].mlp.token_dispatcher)
+    assert syncs_with_host(build(moe=True, layers=1).decoder.layers[0].mlp.token_dispatcher)
+    assert syncs_with_host(build(moe=True, layers=1, moe_token_dispatcher_type="alltoall")
+                           .decoder.layers[0].mlp.token_dispatcher)
+    assert mg.find_modules(model).experts == []
+    handle = mg.apply(model, "moe_act", min_tensor_bytes=0, device="cpu")
+    manager = offload.get_manager()
+    syncs: list[int] = []
+    monkeypatch.setattr(manager, "after_host_sync", lambda: syncs.append(1))
+    ref = train(build(moe=True, layers=3, **capacity), fb_no_pipelining(), steps=2)
+    assert_bitwise(ref, train(model, handle.wrap(fb_no_pipelining()), steps=2))
+    assert syncs == []
+    s = handle.last_stats.by_name["moe_act"]
+    assert s.groups_offloaded == 2 * (3 * 4 - 1) and s.bytes_offloaded > 0
+    assert all(not m._forward_pre_hooks for n, m in model.named_modules() if n.endswith("experts"))
+
+
+def test_copies_into_backward_flag_reaches_the_engine(mg):
+    """``--offload-copies-into-backward`` sets the engine's `OffloadConfig.copies_into_backward`;
+    training stays bitwise and the same groups are offloaded and kept."""
+    ref = train(build(layers=3), fb_no_pipelining(), steps=2)
+    flags = ["--offload-modules=core_attn", "--offload-min-tensor-bytes=0"]
+    parser = mg.add_arguments(argparse.ArgumentParser())
+    assert not mg.Options.from_args(parser.parse_args(flags)).copies_into_backward
+    model = build(layers=3)
+    handle = mg.apply_from_args(model, parser.parse_args(flags + ["--offload-copies-into-backward"]), device="cpu")
+    assert offload.get_manager().config.copies_into_backward
+    assert_bitwise(ref, train(model, handle.wrap(fb_no_pipelining()), steps=2))
+    s = handle.last_stats.by_name["core_attn"]
+    assert (s.groups_offloaded, s.groups_kept) == (2 * 2, 2)
+
+
 def test_policy_flag_reaches_the_engine(mg):
     """``--offload-policy layers:0-1``: layer 2's groups are declined, layer 0's offloaded, layer
     1's kept (the last offloadable group before each microbatch's own backward)."""

@@ -69,6 +69,8 @@ def parse(mg, argv: list[str]) -> argparse.Namespace:
     (["--offload-modules=auto", "--offload-memory-budget=-30%", "--offload-max-inflight-groups=2"], OffloadValueError,
      r"leave --offload-max-inflight-groups and --offload-policy unset"),
     (["--offload-modules=auto,core_atn", "--offload-memory-budget=-30%"], OffloadValueError, "takes no others"),
+    (["--offload-modules=auto", "--offload-memory-budget=-30%", "--offload-copies-into-backward"], OffloadValueError,
+     r"leave --offload-copies-into-backward unset"),
 ])
 def test_auto_flags_are_checked_when_read(mg, argv, error, match):
     with pytest.raises(error, match=match):

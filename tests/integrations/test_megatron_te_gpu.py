@@ -60,9 +60,11 @@ def mg():
         torch.distributed.destroy_process_group()
 
 
-def build(moe: bool = False, mla: bool = False, fp8: str | None = None, graphs: list[str] | None = None):
+def build(moe: bool = False, mla: bool = False, fp8: str | None = None, graphs: list[str] | None = None,
+          capacity: bool = False):
     """A 2-layer GPTModel with the TE spec in bf16 (``Float16Module``); with ``graphs`` (the
-    ``cuda_graph_modules``, ``[]`` for whole layers), set up for Megatron's TE CUDA graphs."""
+    ``cuda_graph_modules``, ``[]`` for whole layers), set up for Megatron's TE CUDA graphs; with
+    ``capacity``, the MoE's all-to-all dispatcher drops and pads to capacity (no host sync)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -75,6 +77,9 @@ def build(moe: bool = False, mla: bool = False, fp8: str | None = None, graphs: 
     if moe:
         kw.update(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=128, moe_grouped_gemm=True,
                   moe_token_dispatcher_type="allgather")
+    if capacity:
+        kw.update(moe_token_dispatcher_type="alltoall", moe_expert_capacity_factor=1.0,
+                  moe_pad_expert_input_to_capacity=True)
     if mla:
         kw.update(multi_latent_attention=True, q_lora_rank=128, kv_lora_rank=64, qk_head_dim=64,
                   qk_pos_emb_head_dim=32, v_head_dim=64, rope_type="rope")
@@ -160,6 +165,20 @@ def test_te_spec_bitwise_bf16(mg, moe, names):
     stats = bitwise(mg, lambda: build(moe=moe), names)
     for name in ("qkv_linear", "core_attn", "expert_fc1" if moe else "fc1"):
         assert stats.by_name[name].bytes_offloaded > 0, name
+
+
+def test_a_dispatcher_without_host_syncs_offloads_bitwise_and_never_reports_a_sync(mg, monkeypatch):
+    """The all-to-all dispatcher dropping and padding to capacity (``grouped-gemm-capacity`` in
+    the example) on TEGroupedMLP: no `offload.after_host_sync`, copies issued at group opens,
+    bitwise as without offloading."""
+    from offload.manager import PipelineOffloadManager
+
+    assert mg.find_modules(build(moe=True, capacity=True)).experts == []
+    syncs: list[int] = []
+    monkeypatch.setattr(PipelineOffloadManager, "after_host_sync", lambda self: syncs.append(1))
+    stats = bitwise(mg, lambda: build(moe=True, capacity=True), "mlp_norm,expert_fc1,moe_act")
+    assert syncs == []
+    assert stats.by_name["moe_act"].bytes_offloaded > 0 and stats.by_name["expert_fc1"].bytes_offloaded > 0
 
 
 def test_mla_te_spec_bitwise(mg):
