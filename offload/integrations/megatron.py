@@ -549,9 +549,7 @@ def apply_from_args(model: nn.Module | Sequence[nn.Module], args: argparse.Names
                     device: torch.device | str | None = None) -> MegatronOffload:
     """`apply` with the settings of the flags that `add_arguments` added."""
     opts = Options.from_args(args)
-    return apply(model, opts.modules, min_tensor_bytes=opts.min_tensor_bytes,
-                 max_inflight_groups=opts.max_inflight_groups, policy=opts.policy,
-                 copies_into_backward=opts.copies_into_backward, device=device, memory_budget=opts.memory_budget)
+    return apply(model, opts.modules, device=device, memory_budget=opts.memory_budget, **opts.engine_settings())
 
 
 # ------------------------------------------------------------------------------- schedule
@@ -696,11 +694,8 @@ def wrap_model_provider(
             handle = MegatronOffload(opts.modules)
             if opts.modules:
                 param = next(unwrap(chunk).parameters(), None)  # offload from where the model lives
-                offload.configure(opts.modules, min_tensor_bytes=opts.min_tensor_bytes,
-                                  max_inflight_groups=opts.max_inflight_groups,
-                                  policy=parse_policy(opts.policy),
-                                  copies_into_backward=opts.copies_into_backward,
-                                  device=None if param is None else param.device)
+                offload.configure(opts.modules, device=None if param is None else param.device,
+                                  **opts.engine_settings())
                 _install_schedule_hook()
             state["handle"] = handle
         handle = state["handle"]

@@ -111,6 +111,12 @@ class Options:
     def auto(self) -> bool:
         return self.modules == (AUTO,)
 
+    def engine_settings(self) -> dict[str, Any]:
+        """The engine's settings among these, as `offload.configure` and `apply` take them (the
+        policy parsed)."""
+        return dict(min_tensor_bytes=self.min_tensor_bytes, max_inflight_groups=self.max_inflight_groups,
+                    policy=parse_policy(self.policy), copies_into_backward=self.copies_into_backward)
+
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Options":
         """Read the flags; checks the names, the budget (`check_auto_options`) and Megatron's own
