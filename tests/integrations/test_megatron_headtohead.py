@@ -287,6 +287,17 @@ def test_example_alternate_baseline_is_refused_where_it_cannot_compare(example, 
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", [["--offload-copies-into-backward"], ["--offload-max-inflight-groups", "2"],
+                                  ["--offload-policy", "warmup_only"]], ids=lambda f: f[0])
+def test_example_refuses_this_librarys_engine_settings_for_megatrons_own_offloading(example, capsys, flag):
+    """Megatron's own offloading has no such settings: `--system megatron` with them would measure
+    a run that silently ignored them."""
+    with pytest.raises(SystemExit):
+        example.parse_args(["--device", "cpu", "--system", "megatron", "--offload-modules=core_attn", *flag])
+    assert f"{flag[0]}: this library's engine settings; Megatron's own offloading" in capsys.readouterr().err
+    assert example.parse_args(["--device", "cpu", "--offload-modules=core_attn", *flag])
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--device", "cpu"], "it needs --device cuda"),
     (["--device", "cuda", "--steps", "3", "--warmup-steps", "2"], "it needs at least 2 measured steps"),
