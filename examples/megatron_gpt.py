@@ -229,19 +229,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.steps - args.warmup_steps < 2:
             p.error(f"--peak-trace leaves its step out of the times: it needs at least 2 measured steps "
                     f"(--steps {args.steps}, --warmup-steps {args.warmup_steps})")
-    if args.system == "megatron":
-        ours = [flag for flag, is_set in (("--offload-max-inflight-groups", args.offload_max_inflight_groups != 1),
-                                          ("--offload-policy", (args.offload_policy or "all") != "all"),
-                                          ("--offload-copies-into-backward", args.offload_copies_into_backward))
-                if is_set]
-        if ours:
-            p.error(f"{', '.join(ours)}: this library's engine settings; Megatron's own offloading (--system "
-                    "megatron) has none of them. Drop them, or use --system offload")
     try:  # the offload flags, before any process group or model exists
-        if megatron_offload.Options.from_args(args).auto:
+        opts = megatron_offload.Options.from_args(args)
+        if opts.auto:
             megatron_plan.check_auto(argparse.Namespace(**config_kwargs(args)))
     except OffloadError as exc:
         p.error(str(exc))
+    if args.system == "megatron" and opts.engine_flags_set():
+        p.error(f"{', '.join(opts.engine_flags_set())}: this library's engine settings; Megatron's own offloading "
+                "(--system megatron) has none of them. Drop them, or use --system offload")
     check_transformer_engine(args, p.error)
     return args
 

@@ -94,6 +94,10 @@ def parse_policy(spec: str | None) -> group_policy.GroupPolicy | None:
     raise ValueError(f"offload: unknown --offload-policy {spec!r}; accepted: {forms}")
 
 
+_ENGINE_ONLY_FLAGS = (("--offload-max-inflight-groups", "max_inflight_groups"), ("--offload-policy", "policy"),
+                      ("--offload-copies-into-backward", "copies_into_backward"))
+
+
 @dataclass(frozen=True)
 class Options:
     """The offload settings that `add_arguments` adds, as `apply` takes them.
@@ -110,6 +114,13 @@ class Options:
     @property
     def auto(self) -> bool:
         return self.modules == (AUTO,)
+
+    def engine_flags_set(self) -> list[str]:
+        """The flags of this library's engine settings given other than their defaults
+        (`--offload-max-inflight-groups`, `--offload-policy`, `--offload-copies-into-backward`):
+        Megatron's own offloading has none of them."""
+        default = Options(self.modules)
+        return [flag for flag, attr in _ENGINE_ONLY_FLAGS if getattr(self, attr) != getattr(default, attr)]
 
     def engine_settings(self) -> dict[str, Any]:
         """The engine's settings among these, as `offload.configure` and `apply` take them (the
