@@ -131,11 +131,15 @@ class ChunkLifecycle:
         ran, its last groups stay on the GPU (the last-layer rule), unless it ran in a graph
         region (planned as it will be captured: nothing kept). The copies in flight are waited
         for (on the GPU) so the backward starts with their memory freed; any other chunk still
-        in forward is finished, and its last groups copy out while this backward runs."""
+        in forward is finished, and its last groups copy out while this backward runs. Then
+        ``handler``'s records held elsewhere get their last look (Note [8] of
+        `offload.copy_queue`): those now only ours copy out under this backward, unwaited."""
         self.copies.flush()
         self.end_forward(keep=handler is self.forward and not handler.graphable)
         handler.advance(HandlerPhase.BACKWARD)
         self.order.backward_began(handler)
+        if handler.capture is None:
+            self.copies.offload_released(handler)  # Note [8] of offload.copy_queue
 
     def _note_idle(self, handler: ChunkOffloadHandler) -> None:
         self._idle.append(handler)  # from a handle's __del__: retired later, at a safe point

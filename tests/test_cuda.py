@@ -111,18 +111,22 @@ def test_pipeline_order_with_slow_copies(configure, monkeypatch):
         assert stats.total().groups_kept == 0 and stats.handlers == 3
 
 
-def test_an_input_held_by_the_forward_leaves_at_its_end(configure, monkeypatch):
+@pytest.mark.parametrize("pipelined", [True, False], ids=["forwards-then-backwards", "own-backward-next"])
+def test_an_input_held_by_the_forward_leaves_at_its_end(configure, monkeypatch, pipelined):
     """Note [8] of offload.copy_queue on the GPU, copies slowed: each microbatch's first input,
     which the chunk's forward holds until it returns (as Megatron's ``GPTModel.forward`` holds
-    the embedding's output), is copied once another forward follows and its memory is gone
-    before its backward reaches the second group; gradients bitwise, iteration after iteration."""
+    the embedding's output), is copied once another forward follows, and its memory is gone
+    before its backward reaches the second group; or, each forward followed by its own backward,
+    when that backward begins, unwaited (its copy may still run when group 0 needs it: used in
+    place). Nothing is left held elsewhere; gradients bitwise, iteration after iteration."""
     from torch.multiprocessing.reductions import StorageWeakRef
+    layers = 3 if pipelined else 6
 
     def chunk(w, scale, freed):
         x = w * scale
         gone = StorageWeakRef(x.untyped_storage())
         h = x
-        for i in range(3):
+        for i in range(layers):
             with offload.group("g", h) as h1:
                 h = (h1 @ h1.t()).tanh() @ h1  # the matmuls save their inputs: group 0 saves x
             if i == 1 and freed is not None:
@@ -136,6 +140,8 @@ def test_an_input_held_by_the_forward_leaves_at_its_end(configure, monkeypatch):
             for mb in range(2):
                 offload.begin_chunk(0, mb)
                 losses.append(chunk(w, 1.0 + mb, freed))
+                if not pipelined:
+                    losses.pop().backward()
             for loss in losses:
                 loss.backward()
         return w.grad.clone()
@@ -147,10 +153,14 @@ def test_an_input_held_by_the_forward_leaves_at_its_end(configure, monkeypatch):
         w = torch.randn(512, 256, device="cuda", requires_grad=True)
         ref = reproducible(lambda: step(w, False), grads=lambda g: {"w": g})
         freed: list = []
-        got = step(w, True, freed)
+        got = step(w, True, freed if pipelined else None)
         assert torch.equal(got, ref), f"iteration {it}"
         s = offload.end_iteration().by_name["g"]
-        assert freed == [True, True] and s.bytes_held_elsewhere == 0, f"iteration {it}: {freed}, {s}"
+        assert s.bytes_held_elsewhere == 0, f"iteration {it}: {freed}, {s}"
+        if pipelined:
+            assert freed == [True, True], f"iteration {it}: {freed}"
+        else:
+            assert s.groups_kept == 2 and 0 < s.bytes_reloaded <= s.bytes_offloaded, f"iteration {it}: {s}"
 
 
 @pytest.mark.parametrize(

@@ -898,20 +898,20 @@ def test_retired_handlers_leave_no_reference_cycles(configure, flow):
 
 
 def _chunk_holding_its_input(w: torch.Tensor, scale: float, keep: list | None = None,
-                             freed: list | None = None) -> torch.Tensor:
-    """A chunk forward that holds its first group's input until it returns, as Megatron's
-    ``GPTModel.forward`` holds the embedding's output (``keep``: held past the return too);
-    returns the microbatch's loss. ``freed`` gets, when the backward reaches group 1, whether
-    that input's storage was gone by then."""
+                             freed: list | None = None, layers: int = 3, freed_at: int = 1) -> torch.Tensor:
+    """A chunk forward of ``layers`` groups that holds its first group's input until it
+    returns, as Megatron's ``GPTModel.forward`` holds the embedding's output (``keep``: held
+    past the return too); returns the microbatch's loss. ``freed`` gets, when the backward
+    reaches group ``freed_at``, whether that input's storage was gone by then."""
     x = w * scale
     if keep is not None:
         keep.append(x)
     gone = StorageWeakRef(x.untyped_storage())
     h = x
-    for i in range(3):
+    for i in range(layers):
         with offload.group("g", h) as h1:
             h = (h1 * h1).tanh()  # mul saves its input: group 0 saves x
-        if i == 1 and freed is not None:
+        if i == freed_at and freed is not None:
             h.register_hook(lambda grad: freed.append(gone.expired()))
     return h.sum()
 
@@ -994,13 +994,46 @@ def test_a_tensor_still_held_after_the_forward_stays(configure):
     assert s.bytes_held_elsewhere == 2 * 256 * 4 and s.bytes_offloaded == 2 * 3 * 256 * 4, s
 
 
-def test_the_second_look_waits_for_another_forward(configure):
-    """A forward followed by its own backward leaves its input where it was: the copy would end
-    after the backward's start, the step's peak (Note [8])."""
-    configure(["g"])
+LAYERS = 6  # a backward long enough for the CPU fallback's copy to be done (`HostStreams.COPY_TICKS`)
+
+
+def _forward_then_its_backward(configure, names: list[str], keep: list | None = None,
+                               freed: list | None = None) -> tuple[torch.Tensor, object]:
+    """Two microbatches, each forward of ``LAYERS`` groups followed by its own backward (no
+    pipeline); the gradient and the statistics of ``g``."""
+    configure(names)
+    torch.manual_seed(0)
     w = torch.randn(256, requires_grad=True)
     for mb in range(2):
         offload.begin_chunk(0, mb)
-        _chunk_holding_its_input(w, 1.0 + mb).backward()
-    s = offload.end_iteration().by_name["g"]
+        _chunk_holding_its_input(w, 1.0 + mb, keep, freed, LAYERS, freed_at=0).backward()
+    return w.grad, offload.end_iteration().by_name.get("g")
+
+
+def test_a_forward_followed_by_its_own_backward_copies_its_held_input_when_the_backward_begins(configure):
+    """Note [8]: the input the forward held until it returned is only ours when the backward
+    begins, and its first layer's backward is the backward's end: it is copied then (the last
+    layer's group is kept, by the last-layer rule), its storage is gone before the backward
+    reaches group 0 (on the CPU fallback a copy is done a few events after it was issued), it
+    is reloaded for group 0, and the gradient is the one without offloading."""
+    freed: list = []
+    grad, s = _forward_then_its_backward(configure, ["g"], freed=freed)
+    ref, _ = _forward_then_its_backward(configure, [])
+    assert torch.equal(grad, ref)
+    assert freed == [True, True]
+    assert s.bytes_held_elsewhere == 0 and s.groups_kept == 2, s
+    # per microbatch: x, and the input of each group after the first but the kept last one (the
+    # tanh output before it, which its mul saves and so owns)
+    assert s.groups_offloaded == 2 * (LAYERS - 1) and s.bytes_offloaded == 2 * (LAYERS - 1) * 256 * 4, s
+    assert s.bytes_reloaded == s.bytes_offloaded, s
+
+
+def test_a_forward_followed_by_its_own_backward_leaves_an_input_still_held(configure):
+    """Held past the backward's start (by the caller), the input stays on the GPU: the last
+    look copies nothing that would free nothing."""
+    keep: list = []
+    grad, s = _forward_then_its_backward(configure, ["g"], keep)
+    ref, _ = _forward_then_its_backward(configure, [], [])
+    assert torch.equal(grad, ref)
     assert s.bytes_held_elsewhere == 2 * 256 * 4 and s.groups_kept == 2, s
+    assert s.bytes_offloaded == 2 * (LAYERS - 2) * 256 * 4, s

@@ -97,7 +97,10 @@ def check_against_reference(model: nn.Module, ref: nn.Module, names, handle, ite
             assert s.bytes_offloaded > 0 and s.bytes_reloaded > 0, name
             if "layer" not in names:  # nested groups: a record may go out with one and come back with another
                 assert s.bytes_offloaded == s.bytes_reloaded, name
-        assert stats.total().bytes_offloaded == stats.total().bytes_reloaded
+        # Not equal in general: a record copied when the backward begins (Note [8] of
+        # offload.copy_queue: the embedding output the model's forward held) whose backward
+        # comes before its copy is done is used where it is, not reloaded
+        assert 0 < stats.total().bytes_reloaded <= stats.total().bytes_offloaded
     assert offload.get_manager().live_handlers == []
 
 
@@ -313,7 +316,8 @@ def test_layer_offloads_the_inputs_checkpointing_keeps(configure, reentrant):
     """Under gradient checkpointing a layer keeps only its inputs (the hidden states), saved by
     the checkpoint while ``layer``'s group is open: they are offloaded, gradients bitwise those of
     checkpointing alone. Layer 0's input is the embedding output, which the model's forward
-    still holds (held elsewhere); the last layer's is kept (its backward comes first)."""
+    holds until it returns (held elsewhere then), copied when the backward begins (Note [8] of
+    offload.copy_queue); the last layer's is kept (its backward comes first)."""
     names = ["layer", "core_attn"]
     model = checkpointed(tiny_model("llama", layers=4), reentrant)
     ref = checkpointed(copy.deepcopy(model), reentrant)
@@ -326,9 +330,11 @@ def test_layer_offloads_the_inputs_checkpointing_keeps(configure, reentrant):
         loss, grads = step(model, ids)
         assert torch.equal(loss, ref_loss) and first_difference(ref_grads, grads) is None
         s = offload.end_iteration().by_name
-        assert (s["layer"].groups, s["layer"].groups_kept, s["layer"].tensors_offloaded) == (4, 1, 2)
-        assert s["layer"].bytes_offloaded == s["layer"].bytes_reloaded == 2 * hidden_states
-        assert s["layer"].bytes_held_elsewhere == hidden_states
+        assert (s["layer"].groups, s["layer"].groups_kept, s["layer"].tensors_offloaded) == (4, 1, 3)
+        assert s["layer"].bytes_offloaded == 3 * hidden_states and s["layer"].bytes_held_elsewhere == 0
+        # layer 0's input is copied when the backward begins; on the CPU fallback its copy is
+        # not done (a few events later) when layer 0's backward needs it: used where it is
+        assert s["layer"].bytes_reloaded == 2 * hidden_states
         if reentrant:  # the layer's forward runs without grad: core_attn's group never opens
             assert "core_attn" not in s
         else:
