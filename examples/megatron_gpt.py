@@ -235,8 +235,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             megatron_plan.check_auto(argparse.Namespace(**config_kwargs(args)))
     except OffloadError as exc:
         p.error(str(exc))
-    if args.system == "megatron" and opts.engine_flags_set():
-        p.error(f"{', '.join(opts.engine_flags_set())}: this library's engine settings; Megatron's own offloading "
+    engine_flags = opts.engine_flags_set() if args.system == "megatron" else []
+    if engine_flags:
+        p.error(f"{', '.join(engine_flags)}: this library's engine settings; Megatron's own offloading "
                 "(--system megatron) has none of them. Drop them, or use --system offload")
     check_transformer_engine(args, p.error)
     return args
