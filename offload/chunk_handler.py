@@ -12,8 +12,9 @@ the first group after the previous handler's backward began). It
   decided only when the engine sees what follows the chunk's forward (the last-layer rule);
 * deduplicates saved storages among its live records, with an index by storage address;
 * remembers the records left on the GPU because something else held them when their group's
-  copies were issued (``held``), for a second look at later group opens, when its forward
-  is over and when its backward begins (Note [8] of `offload.copy_queue`);
+  copies were issued (``held``), for a second look at later group opens, when the model's
+  forward returns, when its forward is over and when its backward begins (Note [8] of
+  `offload.copy_queue`);
 * remembers whether the model said, in this forward, that it synchronized with the host
   (``host_syncs``): from then on its copies are issued after each such sync (Note [9] of
   `offload.copy_queue`);

@@ -54,19 +54,23 @@ Note [8] A second look. A record whose storage something else holds when its gro
     until the add), sometimes only at the forward's end (Megatron's ``GPTModel.forward`` keeps
     the embedding's output, the first layer's input, until it returns). So those records are
     checked again (`offload_released`) at every group open of their chunk's forward, when its
-    last group closes, when the forward is over and not its own backward comes next, and
-    last when the chunk's backward begins (after the wait for the copies in flight, so the
-    backward's first modules run under these copies); the ones now only ours are copied as a
-    group's copies are, the group OFFLOADING again, or still (its ``d2h_done`` becomes the new
-    copies' event: the D2H stream runs in order, so it follows the first copies too, for
-    Notes [3] and [5]), and freed by the in-flight queue as any other (`poll` after each
-    group's backward). The look at the backward's start is for what the forward's caller
-    holds until it returns: its first layers' backward is the backward's end, and a step
-    whose backward peaks past its start (Megatron's MoE at DeepSeek-V3's widths, in
-    deterministic mode: at a fused attention backward's workspace) has them off the GPU there.
-    Where the backward's start is the peak they only add a copy each way; where the backward
-    needs one before its copy is done (a short backward), it is used where it is, a copy out
-    for nothing (`bytes_reloaded` falls short of `bytes_offloaded` by it).
+    last group closes, when the attached model's forward returns (`offload.attach`'s forward
+    hook: `PipelineOffloadManager.model_forward_returned`), when the forward is over and not
+    its own backward comes next, and last when the chunk's backward begins; the ones now only
+    ours are copied as a group's copies are, the group OFFLOADING again, or still (its
+    ``d2h_done`` becomes the new copies' event: the D2H stream runs in order, so it follows the
+    first copies too, for Notes [3] and [5]), and freed by the in-flight queue as any other.
+    The look at the model's return is for what its forward held in locals: its first layers'
+    backward is the backward's end, and a step often peaks in its backward's first modules
+    (a deterministic fused attention backward's workspace, in the last layer: Megatron's dense
+    GPT at 16K), so the copies start under the loss head and the output layer's backward, and
+    the compute stream waits for them when the chunk's backward begins, with the copies in
+    flight then (`ChunkLifecycle.begin_backward`). The look at the backward's start is for
+    what a caller holds past the model's return, or a forward without `offload.attach`
+    (`begin_chunk` alone): it comes after that wait, its copies are not waited for, and the
+    `poll` after each group's backward frees them. Where a chunk's backward needs one before
+    its copy is done (a short backward), it is used where it is, a copy out for nothing
+    (`bytes_reloaded` falls short of `bytes_offloaded` by it).
 
 Note [9] Copies after a host sync. A model that synchronizes with the host every layer (an MoE
     token dispatcher reading how many tokens each expert got, with ``.cpu()``) makes a small

@@ -244,6 +244,18 @@ class PipelineOffloadManager:
         handler.host_syncs = True
         self._issue_decided(handler)
 
+    def model_forward_returned(self) -> None:
+        """The attached model's forward has returned (`offload.attach`'s forward hook): what it
+        held in locals until then (Megatron's ``GPTModel.forward``: the embedding's output) gets
+        a look now (Note [8] of offload.copy_queue), so its copies run under the loss head and
+        the backward's first modules and are freed when the backward begins. Does nothing
+        outside a chunk forward, inside a group, in a recompute, and under capture."""
+        handler = self.chunks.forward
+        if (handler is None or handler.capture is not None or self.captures.in_region or self.suspended
+                or self._names_open or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1):
+            return
+        self.copies.offload_released(handler)
+
     def _issue_decided(self, handler: ChunkOffloadHandler, name: str | None = None) -> None:
         """Issue the copies decided since the last issue (only ``name``'s groups, if given):
         the in-flight bound first, then the second look at ``handler``'s held records (Note [8]

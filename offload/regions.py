@@ -325,6 +325,7 @@ def attach(
     def forward_done(output: Any) -> None:
         _first_forward_pending.discard(handle)
         manager = PipelineOffloadManager.get()
+        manager.model_forward_returned()
         if _first_forward_pending or manager.in_group or manager.captures.in_region:
             return
         try:

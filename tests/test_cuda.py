@@ -163,6 +163,65 @@ def test_an_input_held_by_the_forward_leaves_at_its_end(configure, monkeypatch, 
             assert s.groups_kept == 2 and 0 < s.bytes_reloaded <= s.bytes_offloaded, f"iteration {it}: {s}"
 
 
+def test_an_input_held_until_the_attached_model_returns_leaves_before_the_backward(configure, monkeypatch):
+    """Note [8] of offload.copy_queue on the GPU, copies slowed: with `offload.attach` and each
+    forward followed by its own backward, the first layer's input, which the model's forward
+    holds until it returns, is copied at the return, and its memory is gone (the compute stream
+    waited for the copy when the backward began, at the kept last layer) before the backward
+    passes the last layer: off the GPU for the backward's first modules, where a deterministic
+    step often peaks. Nothing is left held elsewhere; gradients bitwise, iteration after
+    iteration."""
+    from torch import nn
+    from torch.multiprocessing.reductions import StorageWeakRef
+    layers = 6
+
+    class Layer(nn.Module):
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return (h @ h.t()).tanh() @ h  # the matmuls save their inputs: layer 0 saves x
+
+    class HoldsItsInput(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(Layer() for _ in range(layers))
+            self.freed: list | None = None
+
+        def forward(self, w: torch.Tensor, scale: float) -> torch.Tensor:
+            x = w * scale
+            gone, freed = StorageWeakRef(x.untyped_storage()), self.freed
+            h = x
+            for i, layer in enumerate(self.layers):
+                h = layer(h)
+                if i == layers - 2 and freed is not None:
+                    h.register_hook(lambda grad: freed.append(gone.expired()))
+            return h.float().pow(2).sum()
+
+    configure(["g"], min_tensor_bytes=1024, device="cuda")
+    model = HoldsItsInput()
+    offload.attach(model, {"g": "layers.*"})
+    slow_side_streams(monkeypatch)
+
+    def step(w, offloading, freed=None):
+        w.grad, model.freed = None, freed
+        with contextlib.nullcontext() if offloading else offload.suspended():
+            for mb in range(2):
+                model(w, 1.0 + mb).backward()
+        return w.grad.clone()
+
+    for it in range(5):
+        torch.manual_seed(it)
+        w = torch.randn(512, 256, device="cuda", requires_grad=True)
+        ref = reproducible(lambda: step(w, False), grads=lambda g: {"w": g})
+        offload.end_iteration()
+        freed: list = []
+        got = step(w, True, freed)
+        assert torch.equal(got, ref), f"iteration {it}"
+        s = offload.end_iteration().by_name["g"]
+        assert freed == [True, True], f"iteration {it}: {freed}"
+        assert s.bytes_held_elsewhere == 0 and s.groups_kept == 2, f"iteration {it}: {s}"
+        # per microbatch, each layer but the kept last: its input and its tanh's output
+        assert s.bytes_reloaded == s.bytes_offloaded == 2 * (layers - 1) * (512 * 256 + 512 * 512) * 4, s
+
+
 @pytest.mark.parametrize(
     "modules, share", [(list(GPT_MAPPING), 0.90), (["core_attn"], 0.95)], ids=["all", "core_attn"]
 )

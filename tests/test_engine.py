@@ -1028,6 +1028,59 @@ def test_a_forward_followed_by_its_own_backward_copies_its_held_input_when_the_b
     assert s.bytes_reloaded == s.bytes_offloaded, s
 
 
+class _SquareTanh(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return (h * h).tanh()  # mul saves its input
+
+
+class _HoldsItsInput(nn.Module):
+    """A model whose forward holds its first layer's input in a local until it returns, as
+    Megatron's ``GPTModel.forward`` holds the embedding's output. ``freed`` gets, when the
+    backward has done the last layer, whether that input's storage was gone by then."""
+
+    def __init__(self, freed: list) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_SquareTanh() for _ in range(LAYERS))
+        self.freed = freed
+
+    def forward(self, w: torch.Tensor, scale: float) -> torch.Tensor:
+        x = w * scale
+        gone = StorageWeakRef(x.untyped_storage())
+        h = x
+        for i, layer in enumerate(self.layers):
+            h = layer(h)
+            if i == LAYERS - 2:
+                h.register_hook(lambda grad: self.freed.append(gone.expired()))
+        return h.sum()
+
+
+def _attached_forward_then_its_backward(configure, names: list[str], freed: list) -> tuple[torch.Tensor, object]:
+    configure(names)
+    torch.manual_seed(0)
+    w = torch.randn(256, requires_grad=True)
+    model = _HoldsItsInput(freed)
+    offload.attach(model, {"g": "layers.*"})
+    for mb in range(2):
+        model(w, 1.0 + mb).backward()
+    return w.grad, offload.end_iteration().by_name.get("g")
+
+
+def test_the_held_input_is_copied_when_the_attached_model_returns(configure):
+    """Note [8]: with `offload.attach`, the input the model's forward held until it returned
+    is copied right then, under the loss head, and the compute stream waits for that copy when
+    the backward begins (at the kept last layer): its storage is gone before the backward
+    reaches the layer before the last, where a look at the backward's start would still be
+    copying it. It is reloaded for the first layer, and the gradient is the one without
+    offloading."""
+    freed: list = []
+    grad, s = _attached_forward_then_its_backward(configure, ["g"], freed)
+    ref, _ = _attached_forward_then_its_backward(configure, [], [])
+    assert torch.equal(grad, ref)
+    assert freed == [True, True]
+    assert s.bytes_held_elsewhere == 0 and s.groups_kept == 2, s
+    assert s.bytes_offloaded == 2 * (LAYERS - 1) * 256 * 4 and s.bytes_reloaded == s.bytes_offloaded, s
+
+
 def test_a_forward_followed_by_its_own_backward_leaves_an_input_still_held(configure):
     """Held past the backward's start (by the caller), the input stays on the GPU: the last
     look copies nothing that would free nothing."""

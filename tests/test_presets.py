@@ -316,8 +316,8 @@ def test_layer_offloads_the_inputs_checkpointing_keeps(configure, reentrant):
     """Under gradient checkpointing a layer keeps only its inputs (the hidden states), saved by
     the checkpoint while ``layer``'s group is open: they are offloaded, gradients bitwise those of
     checkpointing alone. Layer 0's input is the embedding output, which the model's forward
-    holds until it returns (held elsewhere then), copied when the backward begins (Note [8] of
-    offload.copy_queue); the last layer's is kept (its backward comes first)."""
+    holds until it returns (held elsewhere then), copied when the model's forward returns (Note
+    [8] of offload.copy_queue); the last layer's is kept (its backward comes first)."""
     names = ["layer", "core_attn"]
     model = checkpointed(tiny_model("llama", layers=4), reentrant)
     ref = checkpointed(copy.deepcopy(model), reentrant)
@@ -332,9 +332,9 @@ def test_layer_offloads_the_inputs_checkpointing_keeps(configure, reentrant):
         s = offload.end_iteration().by_name
         assert (s["layer"].groups, s["layer"].groups_kept, s["layer"].tensors_offloaded) == (4, 1, 3)
         assert s["layer"].bytes_offloaded == 3 * hidden_states and s["layer"].bytes_held_elsewhere == 0
-        # layer 0's input is copied when the backward begins; on the CPU fallback its copy is
-        # not done (a few events later) when layer 0's backward needs it: used where it is
-        assert s["layer"].bytes_reloaded == 2 * hidden_states
+        # layer 0's input is copied when the model returns, and the backward's start waits for
+        # that copy: reloaded for layer 0's backward as the others are
+        assert s["layer"].bytes_reloaded == 3 * hidden_states
         if reentrant:  # the layer's forward runs without grad: core_attn's group never opens
             assert "core_attn" not in s
         else:
