@@ -46,7 +46,19 @@ def test_the_peak_and_what_is_live_there_by_site():
                      "transformer_engine/pytorch/module/grouped_linear.py:9 forward": (50, 1),
                      peak_live.BEFORE: (970, 0)}
     assert sum(s["bytes"] for s in got["sites"]) == got["peak_bytes"]
+    assert {s["site"]: s["sizes"] for s in got["sites"]} == {
+        "megatron/core/transformer/moe/experts.py:800 forward": [100, 70],
+        "transformer_engine/pytorch/module/grouped_linear.py:9 forward": [50],
+        peak_live.BEFORE: []}
     assert got["peak_at_fraction"] == pytest.approx(3 / 5)
+
+
+def test_a_site_lists_its_largest_blocks():
+    """Bytes at one site told apart block by block: the largest `SIZES_KEPT`, largest first."""
+    many = [alloc(i, i, MEGATRON) for i in range(1, peak_live.SIZES_KEPT + 5)]
+    (site,) = peak_live.summarize(snapshot(*many), start_bytes=0)["sites"]
+    assert site["blocks"] == peak_live.SIZES_KEPT + 4
+    assert site["sizes"] == list(range(peak_live.SIZES_KEPT + 4, 4, -1))
 
 
 def test_sites_beyond_top_are_summed_and_a_cut_history_is_refused():
@@ -54,6 +66,7 @@ def test_sites_beyond_top_are_summed_and_a_cut_history_is_refused():
     got = peak_live.summarize(snapshot(*events), start_bytes=0, top=2)
     assert [s["bytes"] for s in got["sites"]] == [50, 40, 60]
     assert got["sites"][-1]["site"] == "(other sites)" and got["sites"][-1]["blocks"] == 3
+    assert got["sites"][-1]["sizes"] == [30, 20, 10]
     assert peak_live.frame_site([TORCH]) == peak_live.NO_FRAME
     with pytest.raises(ValueError, match="history was cut"):
         peak_live.summarize(snapshot(free(1, 10)), start_bytes=5)

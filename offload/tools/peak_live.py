@@ -5,7 +5,10 @@ tool says where the difference lies. `record` keeps CUDA's allocator history (ev
 and free, with its Python stack) over one step; `summarize` replays it to the peak that
 ``max_memory_allocated`` reports and groups the blocks live there by the innermost frame of their
 allocation outside ``torch`` (``megatron/core/transformer/moe/experts.py:800 forward``), with the
-allocation that reached the peak and its stack. `compare` lines two summaries up site by site:
+allocation that reached the peak and its stack; each site lists its blocks' sizes too (the
+largest `SIZES_KEPT`), so that bytes two runs hold at one site can be told apart block by
+block (two reload buffers of 128 MiB, or one of 256). `compare` lines two summaries up site by
+site:
 
     python -m offload.tools.peak_live A.json B.json     # which sites hold more at B's peak
 
@@ -26,6 +29,7 @@ from .report import GIB, MIB, md_table, read_json
 
 BEFORE = "(before the recording)"
 NO_FRAME = "(no python frame)"
+SIZES_KEPT = 16
 
 
 def _frame(frame: dict[str, Any], short: bool = True) -> str:
@@ -94,9 +98,15 @@ def _replay(events: list[dict[str, Any]], start_bytes: int,
     return live, before, peak, peak_index
 
 
+def _site_entry(site: str, total: int, sizes: list[int]) -> dict[str, Any]:
+    """One site of a summary: its bytes and blocks at the peak, the largest blocks' sizes."""
+    return {"site": site, "bytes": total, "blocks": len(sizes), "sizes": sorted(sizes, reverse=True)[:SIZES_KEPT]}
+
+
 def summarize(snapshot: dict[str, Any], start_bytes: int, device: int = 0, top: int = 40) -> dict[str, Any]:
     """The peak of the recorded history on ``device`` and the live blocks there by allocation
-    site (the ``top`` largest sites; the rest summed as ``(other sites)``).
+    site (the ``top`` largest sites; the rest summed as ``(other sites)``), each with its bytes,
+    its count of blocks and the sizes of its `SIZES_KEPT` largest blocks.
 
     Raises ``ValueError`` when the history cannot be replayed from ``start_bytes``: more freed of
     the blocks allocated before it than there were (the allocator keeps at most ``max_entries``
@@ -105,19 +115,18 @@ def summarize(snapshot: dict[str, Any], start_bytes: int, device: int = 0, top: 
     events = traces[device] if device < len(traces) else []
     _, _, peak, peak_index = _replay(events, start_bytes, len(events))  # where the peak is
     peak_live, peak_before, _, _ = _replay(events, start_bytes, peak_index + 1)  # what is live there
-    by_site: dict[str, list[int]] = {}
+    sizes_at: dict[str, list[int]] = {}
     for size, index in peak_live.values():
-        entry = by_site.setdefault(frame_site(events[index].get("frames") or []), [0, 0])
-        entry[0] += size
-        entry[1] += 1
+        sizes_at.setdefault(frame_site(events[index].get("frames") or []), []).append(size)
+    rows = [(site, sum(sizes), sizes) for site, sizes in sizes_at.items()]
     if peak_before:
-        by_site[BEFORE] = [peak_before, 0]
-    ranked = sorted(by_site.items(), key=lambda kv: -kv[1][0])
-    rest = ranked[top:]
-    sites = [{"site": site, "bytes": b, "blocks": n} for site, (b, n) in ranked[:top]]
+        rows.append((BEFORE, peak_before, []))
+    rows.sort(key=lambda row: -row[1])
+    rest = rows[top:]
+    sites = [_site_entry(site, total, sizes) for site, total, sizes in rows[:top]]
     if rest:
-        sites.append({"site": "(other sites)", "bytes": sum(b for _, (b, _n) in rest),
-                      "blocks": sum(n for _, (_b, n) in rest)})
+        sites.append(_site_entry("(other sites)", sum(row[1] for row in rest),
+                                 [size for row in rest for size in row[2]]))
     at_peak = events[peak_index] if peak_index >= 0 else None
     first_us = events[0].get("time_us", 0) if events else 0
     last_us = events[-1].get("time_us", 0) if events else 0
