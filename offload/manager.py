@@ -237,9 +237,8 @@ class PipelineOffloadManager:
         chunk forward here rather than at each group open (Note [9] of offload.copy_queue).
         Does nothing outside a chunk forward that offloads, in a recompute, and under capture
         (a graph's copies are its own: Note [C3] of offload.capture)."""
-        handler = self.chunks.forward
-        if (handler is None or handler.capture is not None or self.captures.in_region or self.suspended
-                or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1):
+        handler = self._eager_chunk_forward()
+        if handler is None:
             return
         handler.host_syncs = True
         self._issue_decided(handler)
@@ -250,11 +249,19 @@ class PipelineOffloadManager:
         a look now (Note [8] of offload.copy_queue), so its copies run under the loss head and
         the backward's first modules and are freed when the backward begins. Does nothing
         outside a chunk forward, inside a group, in a recompute, and under capture."""
+        handler = self._eager_chunk_forward()
+        if handler is not None and not self._names_open:
+            self.copies.offload_released(handler)
+
+    def _eager_chunk_forward(self) -> ChunkOffloadHandler | None:
+        """The chunk forward in progress, where its copies are the engine's to issue now: not
+        outside one, in a recompute, suspended, or under capture (a graph's copies are its own:
+        Note [C3] of offload.capture)."""
         handler = self.chunks.forward
         if (handler is None or handler.capture is not None or self.captures.in_region or self.suspended
-                or self._names_open or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1):
-            return
-        self.copies.offload_released(handler)
+                or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1):
+            return None
+        return handler
 
     def _issue_decided(self, handler: ChunkOffloadHandler, name: str | None = None) -> None:
         """Issue the copies decided since the last issue (only ``name``'s groups, if given):
