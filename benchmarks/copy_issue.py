@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = []
     for nbytes in sizes:
         src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
-        jobs.append((pool.acquire(nbytes).view(torch.bfloat16, src.numel()), src, 0))
+        jobs.append((pool.acquire(nbytes).view(torch.bfloat16, src.numel()), src, 0, None))
     chunk = args.chunk_mib << 20
     pieces = sum(max(1, -(-n // chunk)) for n in sizes)
     runtime = streams._memcpy

@@ -97,6 +97,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from . import nvtx
 from .errors import OffloadError
 from .group import GroupState, OffloadGroup, TensorRecord
+from .streams import Rows
 
 if TYPE_CHECKING:
     from .chunk_handler import ChunkOffloadHandler
@@ -121,7 +122,7 @@ class ReplayCopies:
         self.done.record(streams.current())  # creates it, before any capture waits on it
         self._ready = streams.event()
         self.issues = 0  # replays that issued copies so far
-        self._spans: list[tuple[Any, int, int]] = []  # (pinned buffer, device address, bytes)
+        self._spans: list[tuple[Any, int, int, Rows | None]] = []  # (pinned buffer, device address, bytes, rows)
         self._program: Any = None  # the copies and the record of `done`, built at the first replay
         self._label = ""  # its NVTX range
         self.groups: list[OffloadGroup] = []
@@ -130,9 +131,12 @@ class ReplayCopies:
         """Copy ``records`` of ``group`` after each replay: to the host from the span each
         saved, or back into its reload buffer (``rec.dev``)."""
         self.groups.append(group)
-        for rec in records:
+        for rec in records:  # the span each reads or writes on the device, in rows if it has gaps (Note [10])
             address = rec.ptr + rec.start * rec.itemsize if self.to_host else rec.dev.data_ptr()
-            self._spans.append((rec.host.tensor[:rec.nbytes], address, rec.nbytes))
+            rows = rec.rows(self.to_host)
+            if rows is not None:  # in bytes, as the spans are
+                rows = Rows(rows.count, *(n * rec.itemsize for n in rows[1:]))
+            self._spans.append((rec.host.tensor[:rec.nbytes], address, (rec.end - rec.start) * rec.itemsize, rows))
         self._program = None
 
     def clear(self) -> None:
@@ -148,8 +152,10 @@ class ReplayCopies:
         self.issues += 1
         stream = streams.d2h if self.to_host else streams.h2d
         if self._program is None:
-            spans = [(host, streams.device_span(address, nbytes)) for host, address, nbytes in self._spans]
-            jobs = [(host, dev, 0) if self.to_host else (dev, host, 0) for host, dev in spans]
+            jobs = []
+            for host, address, nbytes, rows in self._spans:
+                dev = streams.device_span(address, nbytes)
+                jobs.append((host, dev, 0, rows) if self.to_host else (dev, host, 0, rows))
             self._program = streams.copy_program(stream, jobs, chunk_bytes, self.done)
             self._label = ("offload/after-replay/" if self.to_host else "reload/after-replay/") + self.groups[0].label
         self._ready.record(streams.current())

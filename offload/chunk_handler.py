@@ -171,6 +171,11 @@ class ChunkOffloadHandler:
             records[:] = [rec for rec in records if rec.storage_alive()]
         if records:
             last = records[-1]
+            if last.pitch and last.group is group and last.dtype is dtype and last.version == version:
+                # A second view of a storage that this group saved as rows: one record of all of it
+                # (Note [10] of offload.copy_queue); it covers the new span, as after an extension.
+                last.widen(t.untyped_storage().nbytes() // itemsize)
+                return last
             if (last.group is group and last.start <= start <= last.start + last.numel
                     and last.dtype is dtype and last.version == version):
                 # A span that goes on from the group's last record of this storage: the pieces of
@@ -180,6 +185,34 @@ class ChunkOffloadHandler:
                 last.extend_to(start + numel)
                 return last
         rec = TensorRecord(group, t, ptr, start, numel, version, itemsize)
+        records.append(rec)
+        group.records.append(rec)
+        return rec
+
+    def rows_record_for(self, group: OffloadGroup, t: torch.Tensor, ptr: int, start: int, rows: int,
+                        width: int, pitch: int, itemsize: int) -> TensorRecord:
+        """`record_for` a view of ``rows`` rows of ``width`` elements, ``pitch`` apart from
+        ``start`` on, that leaves at least half of each row out (Note [10] of offload.copy_queue):
+        a record that covers its span, the record of the same rows, or a new record of its rows
+        alone; where ``group`` saved another view of the storage, one record of the whole storage."""
+        records = self._by_storage.get(ptr)
+        if records:
+            version, dtype, numel = t._version, t.dtype, rows * width
+            span = (rows - 1) * pitch + width
+            for rec in records:
+                if not rec.storage_alive() or rec.dtype is not dtype:
+                    continue
+                if rec.covers(version, start, span) or (
+                        rec.pitch == pitch and rec.width == width and rec.start == start
+                        and rec.numel == numel and rec.version == version):
+                    if rec.group is not group:
+                        self._share(rec, group)
+                    return rec
+            if any(rec.group is group and rec.storage_alive() for rec in records):
+                return self.record_for(group, t, ptr, 0, t.untyped_storage().nbytes() // itemsize, itemsize)
+        else:
+            records = self._by_storage[ptr] = []
+        rec = TensorRecord(group, t, ptr, start, rows * width, t._version, itemsize, width, pitch)
         records.append(rec)
         group.records.append(rec)
         return rec

@@ -85,6 +85,20 @@ Note [9] Copies after a host sync. A model that synchronizes with the host every
     deferred only when a whole layer went by without a sync (a dense layer of an MoE model),
     so no group waits for its issue longer than one layer.
 
+Note [10] Views with gaps. A saved view whose elements are rows with gaps between them (one
+    half of a GLU's input, ``torch.chunk(fc1_output, 2, dim=-1)[0]``: rows of ``f`` elements,
+    ``2f`` apart) is recorded as those rows alone (`offload.group.gapped_rows`: at least half of
+    each row's pitch a gap): copied to the host as rows (``cudaMemcpy2DAsync``), packed there,
+    and back into a reload buffer of the span, row by row, so that the view comes back with the
+    strides it was saved with. Recorded as the span, it moved the gaps too, both ways:
+    Megatron's experts save only the activated half (the other one goes through ``x_linear +
+    glu_linear_offset``), a fifth of what ``moe_act`` moved. The reload buffer keeps its gaps,
+    unwritten: a view rebuilt packed would have other strides, and kernels do not all give the
+    same bits for them (the CPU's SiLU does not), nor read a layout the same (Transformer
+    Engine's fused attention derives one from the strides at forward time). A second view of
+    the same storage saved in the same group makes the record all of the storage
+    (`TensorRecord.widen`): one copy each way, as before.
+
 The in-flight bound: when a group opens, the compute stream first waits for the oldest copies
 until at most ``max_inflight_groups`` groups hold GPU memory while their copies run
 (`apply_bound`), and only then are the copies decided since the last open issued; so each copy
@@ -214,7 +228,7 @@ class CopyQueue:
                     seen.add(id(event))
                     d2h.wait_event(event)
         start = self._timing_start(d2h, timing)
-        streams.copy(d2h, [(rec.host_view(), rec.src, rec.start) for rec in todo], self.chunk_bytes)
+        streams.copy(d2h, [(rec.host_view(), rec.src, rec.start, rec.rows(True)) for rec in todo], self.chunk_bytes)
         group.d2h_done.record(d2h)
         nvtx.pop()
         if timing:
@@ -324,7 +338,7 @@ class CopyQueue:
         timing = self.stats.timing and session is None
         current = streams.current()
         for rec in todo:
-            rec.dev = streams.empty(rec.numel, rec.dtype)  # Note [2]
+            rec.dev = streams.empty(rec.end - rec.start, rec.dtype)  # Note [2]; rows with their gaps (Note [10])
         start = None
         if replay is not None:
             replay.add(group, todo)
@@ -340,7 +354,7 @@ class CopyQueue:
                     h2d.wait_event(owner.d2h_done)  # Note [3]
             done = streams.event(timing)
             start = self._timing_start(h2d, timing)
-            streams.copy(h2d, [(rec.dev, rec.host_view(), 0) for rec in todo], self.chunk_bytes)
+            streams.copy(h2d, [(rec.dev, rec.host_view(), 0, rec.rows(False)) for rec in todo], self.chunk_bytes)
             done.record(h2d)
             nvtx.pop()
         for rec in todo:

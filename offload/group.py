@@ -26,7 +26,8 @@ The copies themselves, and the events that order them, are `offload.copy_queue`'
 Reloads are tracked per record (`TensorRecord.dev`): the same host copy can be reloaded
 again for a second backward (``retain_graph=True``).
 
-Storage and views: a `TensorRecord` is one contiguous span of one storage. Several saved
+Storage and views: a `TensorRecord` is one contiguous span of one storage, or the rows of a
+view with gaps (Note [10] of `offload.copy_queue`), which are packed on the host only. Several saved
 tensors that are views of the same storage share a record when its span covers them; a
 view covering at least half of its storage is recorded as the whole storage; a span that goes
 on from the group's last record of its storage extends that record. A record saved
@@ -45,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from .errors import SavedTensorModifiedError
+from .streams import Rows
 
 if TYPE_CHECKING:
     from .chunk_handler import ChunkOffloadHandler
@@ -80,11 +82,11 @@ class TensorRecord:
     __slots__ = (
         "group", "ptr", "src", "src_ref", "start", "numel", "dtype", "itemsize", "version",
         "host", "dev", "reload_group", "last_read", "handles", "alive", "unpacked",
-        "modified",
+        "modified", "width", "pitch",
     )
 
     def __init__(self, group: "OffloadGroup", src: torch.Tensor, ptr: int, start: int, numel: int,
-                 version: int, itemsize: int) -> None:
+                 version: int, itemsize: int, width: int = 0, pitch: int = 0) -> None:
         self.group = group
         self.ptr = ptr
         # A detached alias: same storage and version counter, but no grad_fn. Holding the saved
@@ -105,11 +107,36 @@ class TensorRecord:
         self.alive = 0
         self.unpacked = 0
         self.modified = False
+        # Rows: ``numel`` elements in rows of ``width``, ``pitch`` apart from ``start`` on (a
+        # view with gaps, Note [10] of offload.copy_queue), packed on the host; ``pitch`` 0: one
+        # run of ``numel`` elements from ``start`` on.
+        self.width = width
+        self.pitch = pitch
+
+    @property
+    def end(self) -> int:
+        """The storage element after the last one this record reads."""
+        if self.pitch:
+            return self.start + (self.numel // self.width - 1) * self.pitch + self.width
+        return self.start + self.numel
+
+    def rows(self, to_host: bool) -> Rows | None:
+        """What a copy of this record moves (`offload.streams.CopyJob`): its rows, packed on the
+        host and spaced on the device, or None for one run of elements."""
+        if not self.pitch:
+            return None
+        pitches = (self.width, self.pitch) if to_host else (self.pitch, self.width)
+        return Rows(self.numel // self.width, self.width, *pitches)
 
     def extend_to(self, end: int) -> None:
         """Make this span reach element ``end`` of its storage (only while its group is open,
         before anything was copied: the start, which saved handles' offsets count from, stays)."""
         self.numel = end - self.start
+
+    def widen(self, storage_numel: int) -> None:
+        """Make a record of rows one run over its whole storage (only while its group is open:
+        another view of the storage was saved in the group, Note [10] of offload.copy_queue)."""
+        self.start, self.numel, self.width, self.pitch = 0, storage_numel, 0, 0
 
     @property
     def nbytes(self) -> int:
@@ -131,7 +158,7 @@ class TensorRecord:
         ``CheckpointWithoutOutput``, freed it and refills it before backward needs it)."""
         storage = self.src.untyped_storage()
         return (_use_count(storage._cdata) - 1 <= our_aliases
-                and storage.nbytes() >= (self.start + self.numel) * self.itemsize)
+                and storage.nbytes() >= self.end * self.itemsize)
 
     def storage_alive(self) -> bool:
         """Whether the saved storage provably still exists at this address (we hold it, or a
@@ -143,7 +170,8 @@ class TensorRecord:
         """Whether a tensor of ``version`` spanning [start, start+numel) of this record's storage
         can reuse this record. Ask only while `storage_alive`: an address reused after a free, or
         after the storage was shrunk (``resize_(0)`` by a recompute mechanism), is another tensor."""
-        return version == self.version and self.start <= start and start + numel <= self.start + self.numel
+        return (version == self.version and not self.pitch and self.start <= start
+                and start + numel <= self.start + self.numel)
 
     def check_version(self, label: str) -> None:
         """Raise if the saved tensor was changed in place since it was saved."""
@@ -167,6 +195,27 @@ class TensorRecord:
             f"inplace operation: a {self.dtype} tensor of {self.nbytes} bytes saved in group "
             f"{label!r} {where}. Autograd forbids this; without offloading it raises the same error."
         )
+
+
+def gapped_rows(size: torch.Size, stride: tuple[int, ...]) -> tuple[int, int, int] | None:
+    """``(rows, width, pitch)`` where a view of ``size`` and ``stride`` is rows of ``width``
+    adjacent elements whose starts are ``pitch`` apart, and at least half of each row's pitch is
+    a gap (a column block, one half of a GLU's input: Note [10] of offload.copy_queue); else None."""
+    dims = [(n, s) for n, s in zip(size, stride) if n != 1]
+    width, i = 1, len(dims)
+    while i and dims[i - 1][1] == width:  # the contiguous inner block
+        width *= dims[i - 1][0]
+        i -= 1
+    if not i or width == 1:
+        return None  # contiguous, or no two elements adjacent
+    pitch = dims[i - 1][1]
+    rows = 1
+    while i and dims[i - 1][1] == pitch * rows:  # the rows, evenly spaced
+        rows *= dims[i - 1][0]
+        i -= 1
+    if i or 2 * width > pitch:
+        return None
+    return rows, width, pitch
 
 
 class KeptTensor:

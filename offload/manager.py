@@ -30,7 +30,7 @@ from .chunk_lifecycle import ChunkLifecycle
 from .config import OffloadConfig, check_int, check_known, check_str
 from .copy_queue import CopyQueue
 from .errors import OffloadError
-from .group import GroupState, KeptTensor, OffloadGroup, SavedHandle
+from .group import GroupState, KeptTensor, OffloadGroup, SavedHandle, gapped_rows
 from .group_policy import inside_checkpoint
 from .notices import names_that_free_nothing, say_once, warn_if_nothing_offloaded
 from .pinned_pool import PinnedHostPool
@@ -313,13 +313,18 @@ class PipelineOffloadManager:
             return KeptTensor(t, group.label)
         offset = start = t.storage_offset()
         size, stride = t.size(), t.stride()
-        if not t.is_contiguous():  # the span the view touches
-            numel = 1 + sum((n - 1) * s for n, s in zip(size, stride))
-        storage_numel = storage_bytes // itemsize
-        if 2 * numel >= storage_numel:  # most of the storage: record all of it (docs/design.md, Views)
-            start, numel = 0, max(storage_numel, start + numel)
         handler = group.handler
-        rec = handler.record_for(group, t, ptr, start, numel, itemsize)
+        rows = None
+        if not t.is_contiguous():
+            rows = gapped_rows(size, stride)
+            numel = 1 + sum((n - 1) * s for n, s in zip(size, stride))  # the span the view touches
+        if rows is not None:  # Note [10] of offload.copy_queue
+            rec = handler.rows_record_for(group, t, ptr, start, *rows, itemsize)
+        else:
+            storage_numel = storage_bytes // itemsize
+            if 2 * numel >= storage_numel:  # most of the storage: record all of it (docs/design.md, Views)
+                start, numel = 0, max(storage_numel, start + numel)
+            rec = handler.record_for(group, t, ptr, start, numel, itemsize)
         rec.handles += 1
         rec.alive += 1
         handler.alive += 1

@@ -19,28 +19,51 @@ import gc
 import sys
 import weakref
 from collections import deque
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
-CopyJob = tuple[torch.Tensor, torch.Tensor, int]
-"""``(dst, src, start)``: copy ``dst.numel()`` elements of ``src``'s storage from element
-``start`` on into the flat tensor ``dst``."""
+class Rows(NamedTuple):
+    """``count`` rows of ``width`` elements, ``dst_pitch`` and ``src_pitch`` elements apart (a
+    saved view with gaps, Note [10] of `offload.copy_queue`: packed on the host, one pitch
+    equal to ``width``)."""
+
+    count: int
+    width: int
+    dst_pitch: int
+    src_pitch: int
+
+
+CopyJob = tuple[torch.Tensor, torch.Tensor, int, "Rows | None"]
+"""``(dst, src, start, rows)``: copy ``dst.numel()`` elements of ``src``'s storage from element
+``start`` on into the flat tensor ``dst`` (``rows`` None), or the `Rows` ``rows`` from there
+into ``dst``'s."""
 
 
 def copy_in_pieces(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int) -> None:
-    """``dst.copy_(src)`` for flat tensors, issued as copies of at most ``chunk_bytes`` each
-    (all of it at once when ``chunk_bytes`` is 0 or larger than the tensor)."""
+    """``dst.copy_(src)`` for flat tensors or tensors of rows, issued as copies of at most
+    ``chunk_bytes`` each, whole rows (all of it at once when ``chunk_bytes`` is 0 or larger
+    than the tensor)."""
     if not chunk_bytes or dst.nbytes <= chunk_bytes:
         dst.copy_(src, non_blocking=True)
         return
-    step = max(1, chunk_bytes // dst.element_size())
-    for start in range(0, dst.numel(), step):
+    step = max(1, chunk_bytes // (dst.nbytes // dst.shape[0]))
+    for start in range(0, dst.shape[0], step):
         dst[start:start + step].copy_(src[start:start + step], non_blocking=True)
 
 
 def _span(src: torch.Tensor, start: int, numel: int) -> torch.Tensor:
     return src.as_strided((numel,), (1,), start)
+
+
+def _job_views(dst: torch.Tensor, src: torch.Tensor, start: int,
+               rows: Rows | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A `CopyJob`'s destination and source as tensors of the same shape, for ``copy_``."""
+    if rows is None:
+        return dst, _span(src, start, dst.numel())
+    shape = (rows.count, rows.width)
+    return (dst.as_strided(shape, (rows.dst_pitch, 1), dst.storage_offset()),
+            src.as_strided(shape, (rows.src_pitch, 1), start))
 
 
 _set_fills_new_memory = torch._C._set_deterministic_fill_uninitialized_memory
@@ -52,12 +75,14 @@ def _fills_new_memory() -> bool:
 
 
 _CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction follows from the (unified) addresses
+_MAX_PITCH_BYTES = (1 << 31) - 1  # cudaMemcpy2DAsync refuses a larger pitch (cudaDevAttrMaxPitch)
 
 
 def _runtime_memcpy() -> Any:
     """``cudaMemcpyAsync(dst, src, nbytes, stream)`` of the CUDA runtime that torch loaded (the
     one library of torch's CUDA major version mapped into this process), called directly, or
-    ``None`` where there is no such single shared library.
+    ``None`` where there is no such single shared library; its attribute ``rows`` is
+    ``cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, count, stream)``.
 
     Why: through ``Tensor.copy_`` and the views it needs, a piece costs 10.5 us of host time,
     the direct call 4.8 us (H100 host, torch 2.11, ``python benchmarks/copy_issue.py``); the
@@ -83,11 +108,23 @@ def _runtime_memcpy() -> Any:
     describe.argtypes = [ctypes.c_int]
     describe.restype = ctypes.c_char_p
 
+    call2d = runtime.cudaMemcpy2DAsync
+    call2d.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                       ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    call2d.restype = ctypes.c_int
+
     def memcpy(dst: int, src: int, nbytes: int, stream: int) -> None:
         err = call(dst, src, nbytes, _CUDA_MEMCPY_DEFAULT, stream)
         if err:
             raise RuntimeError(f"offload: cudaMemcpyAsync of {nbytes} bytes failed: {describe(err).decode()}")
 
+    def rows(dst: int, dst_pitch: int, src: int, src_pitch: int, row_bytes: int, count: int, stream: int) -> None:
+        err = call2d(dst, dst_pitch, src, src_pitch, row_bytes, count, _CUDA_MEMCPY_DEFAULT, stream)
+        if err:
+            raise RuntimeError(f"offload: cudaMemcpy2DAsync of {count} rows of {row_bytes} bytes failed: "
+                               f"{describe(err).decode()}")
+
+    memcpy.rows = rows  # type: ignore[attr-defined]
     return memcpy
 
 
@@ -187,20 +224,39 @@ class CudaStreams:
 
     def _copy_on_current(self, stream: torch.cuda.Stream, jobs: Sequence[CopyJob], chunk_bytes: int) -> None:
         if self._memcpy is None or _sanitizer_watches():
-            for dst, src, start in jobs:
-                copy_in_pieces(dst, _span(src, start, dst.numel()), chunk_bytes)
+            for dst, src, start, rows in jobs:
+                copy_in_pieces(*_job_views(dst, src, start, rows), chunk_bytes)
             return
         self._memcpy_jobs(stream.cuda_stream, jobs, chunk_bytes)
 
     def _memcpy_jobs(self, handle: int, jobs: Sequence[CopyJob], chunk_bytes: int) -> None:
         memcpy = self._memcpy
-        for dst, src, start in jobs:
+        for dst, src, start, rows in jobs:
             nbytes = dst.nbytes
             to = dst.data_ptr()
-            frm = src.untyped_storage().data_ptr() + start * src.itemsize
+            itemsize = src.itemsize
+            frm = src.untyped_storage().data_ptr() + start * itemsize
+            if rows is not None:
+                self._memcpy_rows(handle, to, frm, rows, itemsize, chunk_bytes)
+                continue
             step = chunk_bytes if 0 < chunk_bytes < nbytes else max(nbytes, 1)
             for offset in range(0, nbytes, step):
                 memcpy(to + offset, frm + offset, min(step, nbytes - offset), handle)
+
+    def _memcpy_rows(self, handle: int, to: int, frm: int, rows: Rows, itemsize: int, chunk_bytes: int) -> None:
+        """`Rows` from ``frm`` to ``to``: ``cudaMemcpy2DAsync`` in pieces of whole rows of at most
+        ``chunk_bytes``, or one copy per row where a pitch is past its largest."""
+        memcpy = self._memcpy
+        row_bytes = rows.width * itemsize
+        dst_pitch, src_pitch = rows.dst_pitch * itemsize, rows.src_pitch * itemsize
+        if max(dst_pitch, src_pitch) > _MAX_PITCH_BYTES:
+            for row in range(rows.count):
+                memcpy(to + row * dst_pitch, frm + row * src_pitch, row_bytes, handle)
+            return
+        step = max(1, chunk_bytes // row_bytes) if 0 < chunk_bytes < rows.count * row_bytes else rows.count
+        for first in range(0, rows.count, step):
+            memcpy.rows(to + first * dst_pitch, dst_pitch, frm + first * src_pitch, src_pitch, row_bytes,
+                        min(step, rows.count - first), handle)
 
     def copy_program(self, stream: torch.cuda.Stream, jobs: Sequence[CopyJob], chunk_bytes: int,
                      done: torch.cuda.Event) -> Callable[[], None]:
@@ -399,9 +455,9 @@ class _HostCopy:
         self.d2h = d2h
         watch = self._let_go
         if d2h:  # the sources are device memory
-            self.jobs = [(dst, weakref.ref(src, watch), start) for dst, src, start in jobs]
+            self.jobs = [(dst, weakref.ref(src, watch), start, rows) for dst, src, start, rows in jobs]
         else:  # the destinations are
-            self.jobs = [(weakref.ref(dst, watch), src, start) for dst, src, start in jobs]
+            self.jobs = [(weakref.ref(dst, watch), src, start, rows) for dst, src, start, rows in jobs]
 
     def _let_go(self, _ref: Any) -> None:
         if not self.done:
@@ -413,31 +469,31 @@ class _HostCopy:
     def __call__(self) -> None:
         self.done = True
         d2h, chunk_bytes = self.d2h, self.chunk_bytes
-        for dst, src, start in self.jobs:
+        for dst, src, start, rows in self.jobs:
             if d2h:
                 src = src()
             else:
                 dst = dst()
             if dst is not None and src is not None:
-                _host_copy(dst, src, start, chunk_bytes)
+                _host_copy(dst, src, start, rows, chunk_bytes)
         self.jobs = ()
 
 
 _memmove = ctypes.memmove
 
 
-def _host_copy(dst: torch.Tensor, src: torch.Tensor, start: int, chunk_bytes: int) -> None:
-    """`copy_in_pieces` of ``src``'s span from ``start`` into the flat host tensor ``dst``; a
-    byte copy (a third of the time of a view and ``copy_``) where that is the same: one
+def _host_copy(dst: torch.Tensor, src: torch.Tensor, start: int, rows: Rows | None, chunk_bytes: int) -> None:
+    """`copy_in_pieces` of a `CopyJob` into the flat host tensor ``dst``; a byte copy (a
+    third of the time of a view and ``copy_``) where that is the same: one run of elements, one
     piece, one dtype, no conjugate or negative bit, and a span inside the storage."""
     nbytes = dst.nbytes
     storage = src.untyped_storage()
     offset = start * src.itemsize
-    if ((not chunk_bytes or nbytes <= chunk_bytes) and dst.dtype is src.dtype and not src.is_conj()
-            and not src.is_neg() and storage.nbytes() >= offset + nbytes):
+    if (rows is None and (not chunk_bytes or nbytes <= chunk_bytes) and dst.dtype is src.dtype
+            and not src.is_conj() and not src.is_neg() and storage.nbytes() >= offset + nbytes):
         _memmove(dst.data_ptr(), storage.data_ptr() + offset, nbytes)
     else:
-        copy_in_pieces(dst, _span(src, start, dst.numel()), chunk_bytes)
+        copy_in_pieces(*_job_views(dst, src, start, rows), chunk_bytes)
 
 
 class HostStreams:

@@ -30,7 +30,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import offload  # noqa: E402
 from offload.manager import PipelineOffloadManager  # noqa: E402
-from offload.testing import build_gpt, first_difference, slow_copy_streams  # noqa: E402
+from offload.testing import build_gpt, first_difference, slow_copy_streams, train_step  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -147,6 +147,38 @@ def attention_output_stays(name: str, names: list[str]) -> bool:
     attn_proj saves nothing else, so it offloads nothing)."""
     pair = {"core_attn", "attn_proj"}
     return name in pair and not pair <= set(names)
+
+
+class GateOnlyGLU(torch.nn.Module):
+    """SiLU of the first half of its input times the second half plus 0.0, as Megatron's experts
+    compute a GLU (``x_linear + glu_linear_offset``): only the first half, a view with gaps, is
+    saved of the input (Note [10] of offload.copy_queue)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, linear = x.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * (linear + 0.0)
+
+
+def with_gate_only_glu(model: torch.nn.Module, seed: int = 1) -> torch.nn.Module:
+    """``model`` (an `offload.testing.build_gpt` stack) with `GateOnlyGLU` activations and fc2
+    layers of half the width to match, drawn from ``seed``."""
+    torch.manual_seed(seed)
+    for layer in model.layers:
+        fc2 = layer.mlp.linear_fc2
+        layer.mlp.activation = GateOnlyGLU()
+        layer.mlp.linear_fc2 = torch.nn.Linear(fc2.in_features // 2, fc2.out_features).to(
+            device=fc2.weight.device, dtype=fc2.weight.dtype)
+    return model
+
+
+def assert_step_bitwise(ref_model: torch.nn.Module, model: torch.nn.Module, x: torch.Tensor,
+                        g: torch.Tensor, it: int) -> None:
+    """One `train_step` of each model: outputs and every gradient bitwise equal (iteration ``it``)."""
+    ref_out, ref = train_step(ref_model, x, g)
+    out, got = train_step(model, x, g)
+    assert torch.equal(out, ref_out), f"iteration {it}: outputs differ"
+    diff = first_difference(ref, got)
+    assert diff is None, f"iteration {it}: {diff}"
 
 
 def reproducible(run: Callable[[], Any], grads: Callable[[Any], dict] = lambda result: result[1]) -> Any:

@@ -332,7 +332,7 @@ class SimulatedGpu:
             return TimedEvent(streams)
 
         def timed_copy(streams: HostStreams, stream: _HostStream, jobs: list, chunk_bytes: int) -> None:
-            clock[stream.name] += sum(dst.nbytes for dst, _, _ in jobs) / bytes_per_ms
+            clock[stream.name] += sum(job[0].nbytes for job in jobs) / bytes_per_ms
             copy(streams, stream, jobs, chunk_bytes)
 
         def timed_wait_event(stream: _HostStream, event: TimedEvent) -> None:

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import offload
-from conftest import CUDA_ONLY, SPIN_CYCLES, engine_flows, reproducible, seeded_pair, slow_side_streams
+from conftest import (CUDA_ONLY, SPIN_CYCLES, assert_step_bitwise, engine_flows, reproducible, seeded_pair,
+                      slow_side_streams, with_gate_only_glu)
 from offload import notices
 from offload.testing import GPT_MAPPING, build_gpt, cyclic_garbage, first_difference, slow_copy_streams, train_step
 
@@ -78,11 +79,7 @@ def test_selective_plan_gradients_bitwise_equal(monkeypatch):
     try:
         for it in range(10):
             x, g = seeded_pair(it + 1, seq, batch, hidden, dtype=torch.bfloat16, device="cuda")
-            ref_out, ref = train_step(ref_model, x, g)
-            out, got = train_step(model, x, g)
-            assert torch.equal(out, ref_out), f"iteration {it}: outputs differ"
-            diff = first_difference(ref, got)
-            assert diff is None, f"iteration {it}: {diff}"
+            assert_step_bitwise(ref_model, model, x, g, it)
             stats = offload.end_iteration()
             assert {n for n, s in stats.by_name.items() if s.bytes_offloaded} == {"attn_norm", "mlp", "self_attention"}
     finally:
@@ -375,6 +372,32 @@ def test_grouped_gemm_pieces_drawn_by_routing(configure, monkeypatch):
     assert min(pieces) < 64 and max(pieces) >= tokens // 2  # both cases were drawn
 
 
+@pytest.mark.parametrize("copies", ["runtime", "torch_copies"])
+def test_a_lone_view_with_gaps_leaves_as_its_rows(configure, monkeypatch, copies):
+    """Note [10] of offload.copy_queue: the activated half of a GLU's input, saved alone, moves
+    as its rows (``cudaMemcpy2DAsync``, or ``Tensor.copy_``) in pieces, both ways.
+    bf16, copies slowed, 10 iterations of fresh inputs: gradients bitwise; per offloaded layer
+    three tensors of tokens x ffn/2 (the gate's rows, its SiLU and ``linear + 0.0``), where the
+    span of the gate was two."""
+    hidden, heads, layers, seq, batch = 256, 4, 4, 256, 2
+    model = with_gate_only_glu(build_gpt(hidden, heads, layers, dtype=torch.bfloat16, device="cuda"))
+    ref_model = copy.deepcopy(model)
+    x, g = seeded_pair(0, seq, batch, hidden, dtype=torch.bfloat16, device="cuda")
+    reproducible(lambda: train_step(ref_model, x, g))
+    manager = configure(["mlp_act"], min_tensor_bytes=1024, copy_chunk_bytes=64 << 10, device="cuda")
+    offload.attach(model, GPT_MAPPING)
+    if copies == "torch_copies":
+        manager.streams._memcpy = None
+    slow_side_streams(monkeypatch)
+    half = seq * batch * 2 * hidden  # elements of tokens x ffn/2 (ffn = 4 * hidden)
+    for it in range(10):
+        x, g = seeded_pair(it + 1, seq, batch, hidden, dtype=torch.bfloat16, device="cuda")
+        assert_step_bitwise(ref_model, model, x, g, it)
+        s = offload.end_iteration().by_name["mlp_act"]
+        assert s.bytes_held_elsewhere == 0
+        assert s.bytes_offloaded == s.bytes_reloaded == (layers - 1) * 3 * half * 2, s
+
+
 def test_timing_statistics_are_plausible(configure):
     hidden, heads, layers, seq, batch = 1024, 8, 4, 2048, 1
     model = build_gpt(hidden, heads, layers, dtype=torch.bfloat16, device="cuda")
@@ -459,6 +482,31 @@ def test_copies_call_the_cuda_runtime_directly():
     from offload.streams import CudaStreams
 
     assert CudaStreams(torch.device("cuda", 0))._memcpy is not None
+
+
+@pytest.mark.parametrize("max_pitch", [None, 1], ids=["2d", "row-by-row"])
+def test_copies_of_rows_match_torch(monkeypatch, max_pitch):
+    """`CopyJob`s of rows (Note [10] of offload.copy_queue) through the runtime, in pieces of
+    whole rows and in one: to the host packed, and back spaced, leaving the gaps as they were;
+    ``row-by-row``: the path for rows more than cudaMemcpy2DAsync's largest pitch apart."""
+    from offload import streams as streams_module
+    from offload.streams import CudaStreams, Rows
+
+    if max_pitch is not None:
+        monkeypatch.setattr(streams_module, "_MAX_PITCH_BYTES", max_pitch)
+    streams = CudaStreams(torch.device("cuda", 0))
+    src = torch.randn(37, 40, device="cuda", dtype=torch.bfloat16)
+    expected = src[:, 3:19].contiguous().view(-1).cpu()
+    for chunk_bytes in (0, 5 * 16 * 2, 1 << 20):
+        host = torch.full((37 * 16,), float("nan"), dtype=torch.bfloat16).pin_memory()
+        streams.copy(streams.d2h, [(host, src, 3, Rows(37, 16, 16, 40))], chunk_bytes)
+        streams.d2h.synchronize()
+        assert torch.equal(host, expected), chunk_bytes
+        back = torch.full((37 * 40,), float("nan"), device="cuda", dtype=torch.bfloat16)
+        streams.copy(streams.h2d, [(back, host, 0, Rows(37, 16, 40, 16))], chunk_bytes)
+        streams.h2d.synchronize()
+        assert torch.equal(back.view(37, 40)[:, :16], src[:, 3:19]), chunk_bytes
+        assert back.view(37, 40)[:, 16:].isnan().all(), chunk_bytes
 
 
 def test_stream_helpers_match_torch():

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import offload
-from conftest import CUDA_ONLY, reproducible, slow_side_streams
+from conftest import CUDA_ONLY, reproducible, slow_side_streams, with_gate_only_glu
 from offload import OffloadError
 from offload.capture import ReplayCopies
 from offload.copy_queue import CopyQueue
@@ -263,6 +263,26 @@ def test_make_graphed_callables_bitwise(configure, offloading):
     for seed in range(3):
         _assert_equal(graphed.step(_inputs(seed), ALL_FWD_THEN_BWD), refs[seed])
     assert manager.hook_calls == calls, "a replay runs none of our Python"
+
+
+@pytest.mark.parametrize("names", [["mlp_act"], NAMES], ids=["last-in-graph", "inside-graph"])
+def test_a_lone_view_with_gaps_under_graphs_bitwise(configure, monkeypatch, names):
+    """A GLU that saves half of its input, a view with gaps (Note [10] of offload.copy_queue),
+    under per-layer graphs with slowed copies: its rows copied inside the capture, or after each
+    replay when its group is the graph's last (Note [C3] of offload.capture); bitwise equal."""
+    slow_side_streams(monkeypatch)
+    model = with_gate_only_glu(_model())
+    ref_model = copy.deepcopy(model)
+    manager = configure(names, device="cuda", min_tensor_bytes=1 << 16)
+    offload.attach(model, GPT_MAPPING)
+    refs = [_reference(ref_model, _inputs(seed), ALL_FWD_THEN_BWD) for seed in range(3)]
+    graphed = Graphed(model, 2)
+    rows = [rec for g in manager.captured_groups if g.name == "mlp_act" for rec in g.records if rec.pitch]
+    assert rows, "no record of rows was captured"
+    if names == ["mlp_act"]:
+        _assert_copied_after_replays(manager)
+    for seed in range(3):
+        _assert_equal(graphed.step(_inputs(seed), ALL_FWD_THEN_BWD), refs[seed])
 
 
 def test_ordered_graphs_1f1b_bitwise_and_buffers_hold_the_replay(configure):
@@ -571,7 +591,7 @@ def test_a_copy_program_is_captured_once_and_repeats_its_copies(monkeypatch):
     host = torch.empty(source.numel(), dtype=torch.uint8, pin_memory=True)
     done = streams.event(external=True)
     done.record(streams.current())
-    program = streams.copy_program(streams.d2h, [(host, source, 0)], 2**20, done)
+    program = streams.copy_program(streams.d2h, [(host, source, 0, None)], 2**20, done)
     ready = streams.event()
 
     def call():

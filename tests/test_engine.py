@@ -226,6 +226,105 @@ def test_most_of_the_storage_after_small_pieces_extends_their_record(configure):
     assert s.tensors_offloaded == 1 and s.bytes_offloaded == sum(sizes) * 16 * 4
 
 
+class _SeenStrides(torch.autograd.Function):
+    """``x * 2`` that saves ``x`` and notes the strides its backward unpacks."""
+
+    seen: list = []
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        _SeenStrides.seen.append(x.stride())
+        return grad * 2 + x * 0
+
+
+def _glu_step(offloading: bool, saved: str, chunk_bytes_rows: int = 0):
+    """A GLU over ``fc1 = x @ w`` (64 rows of 2·24 columns): ``saved`` says which views of
+    ``fc1`` the backward keeps: ``"gate"`` (the activated half alone, the linear half through an
+    addition, as Megatron's experts), ``"both"`` (both halves), ``"interleaved"`` (three
+    interleaved views, q, k, v-like, by `_SeenStrides`). Returns the gradients."""
+    torch.manual_seed(3)
+    x = torch.randn(64, 16, requires_grad=True)
+    w = torch.randn(16, 48, requires_grad=True)
+    _SeenStrides.seen = []
+
+    def body(h):
+        fc1 = h @ w
+        if saved == "interleaved":
+            parts = fc1.view(64, 16, 3).unbind(-1)
+            return sum(_SeenStrides.apply(p) for p in parts)
+        gate, lin = fc1.chunk(2, dim=-1)
+        if saved == "gate":
+            return _SeenStrides.apply(gate) * (lin + 0.0)
+        return _SeenStrides.apply(gate) * lin
+
+    def forward():
+        if not offloading:
+            return body(x * 1.0).sum()
+        with offload.group("glu", x * 1.0) as h_in:
+            y = body(h_in)
+        with offload.group("glu", y) as y_in:  # a second group: the first one is offloaded
+            return y_in.sum()
+
+    forward().backward()
+    return [x.grad, w.grad]
+
+
+@pytest.mark.parametrize("chunk_bytes", [0, 3 * 24 * 4])
+def test_a_lone_view_with_gaps_moves_only_its_rows(configure, chunk_bytes):
+    """Note [10] of offload.copy_queue: the activated half of a GLU's input, saved without the
+    other half, is copied and reloaded as its rows (half of the storage), in pieces of whole
+    rows, and comes back with its strides; the gradients are bitwise those without offloading
+    (the CPU's SiLU gives other bits for the same values packed)."""
+    ref = _glu_step(False, "gate")
+    assert _SeenStrides.seen == [(48, 1)]
+    configure(["glu"], copy_chunk_bytes=chunk_bytes)
+    got = _glu_step(True, "gate")
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert _SeenStrides.seen == [(48, 1)]  # reloaded with its gaps: the strides it was saved with
+    s = offload.end_iteration().by_name["glu"]
+    # the matmul's input, the gate's rows, and what the product saves: the gate times 2 and
+    # `lin + 0.0`; 64 rows of 24 floats each
+    assert s.bytes_offloaded == 64 * 16 * 4 + 3 * 64 * 24 * 4 and s.bytes_reloaded == s.bytes_offloaded
+    assert s.tensors_offloaded == 4
+
+
+@pytest.mark.parametrize("saved", ["both", "interleaved"])
+def test_views_saved_together_keep_their_storage_and_strides(configure, saved):
+    """A second view of the storage in the same group makes its record the whole storage: one
+    copy each way, and the views come back with their strides and aliasing."""
+    ref = _glu_step(False, saved)
+    ref_seen = list(_SeenStrides.seen)
+    configure(["glu"])
+    got = _glu_step(True, saved)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert _SeenStrides.seen == ref_seen != []
+    s = offload.end_iteration().by_name["glu"]
+    input_and_fc1 = 64 * 16 * 4 + 64 * 48 * 4  # the matmul's input, and one record of fc1
+    if saved == "both":  # and the gate times 2, which the product saves
+        assert s.bytes_offloaded == input_and_fc1 + 64 * 24 * 4
+    else:
+        assert s.bytes_offloaded == input_and_fc1
+
+
+def test_gapped_rows_reads_the_rows_of_a_view():
+    from offload.group import gapped_rows
+
+    x = torch.empty(16, 8)
+    y = torch.empty(4, 3, 5, 6)
+    cases = [(x[:, :4], (16, 4, 8)), (x[:, 4:], (16, 4, 8)), (x[::2], (8, 8, 16)),
+             (y[..., :2], (60, 2, 6)), (y[:, 0], (4, 30, 90)),
+             (x[:, :5], None),  # less than half of each row is a gap: the span
+             (x, None), (x.t(), None), (y[..., ::2], None), (torch.empty(8).expand(4, 8), None)]
+    for view, expected in cases:
+        assert gapped_rows(view.size(), view.stride()) == expected, (view.size(), view.stride())
+
+
 def test_tensor_held_elsewhere_is_not_copied(configure):
     """A tensor that something else holds stays on the GPU: copying it would free nothing."""
     configure(["g"])
@@ -714,7 +813,7 @@ def test_host_copy_is_a_copy_of_the_span():
     """The CPU fallback's copy (a byte copy where that is the same) writes what `copy_in_pieces`
     of the span writes: offsets, strided sources, pieces, conjugate and negative views; a span
     past a shrunk storage raises as the view would."""
-    from offload.streams import _host_copy, _span, copy_in_pieces
+    from offload.streams import Rows, _host_copy, _span, copy_in_pieces
 
     base = torch.arange(40, dtype=torch.float32)
     cases = [(base, 0, 40, 0), (base, 5, 30, 0), (base.view(4, 10)[:, 2:], 2, 36, 0), (base, 3, 20, 16),
@@ -723,12 +822,20 @@ def test_host_copy_is_a_copy_of_the_span():
         expected = torch.empty(numel, dtype=src.dtype)
         copy_in_pieces(expected, _span(src, start, numel), chunk_bytes)
         got = torch.full((numel,), float("nan"), dtype=src.dtype)
-        _host_copy(got, src, start, chunk_bytes)
+        _host_copy(got, src, start, None, chunk_bytes)
         assert torch.equal(got, expected), (start, numel, chunk_bytes)
+    for chunk_bytes in (0, 8, 12, 1000):  # rows of 3 elements, 10 apart, from element 2 on, and back
+        got = torch.full((12,), float("nan"))
+        _host_copy(got, base, 2, Rows(4, 3, 3, 10), chunk_bytes)
+        assert torch.equal(got, base.view(4, 10)[:, 2:5].reshape(-1)), chunk_bytes
+        back = torch.full((10, 4), float("nan"))
+        _host_copy(back.view(-1), got, 0, Rows(4, 3, 10, 3), chunk_bytes)
+        assert torch.equal(back.view(-1)[:40].view(4, 10)[:, :3], base.view(4, 10)[:, 2:5]), chunk_bytes
+        assert back.view(4, 10)[:, 3:].isnan().all()  # the gaps are left as they were
     shrunk = torch.arange(8, dtype=torch.float32)
     shrunk.untyped_storage().resize_(0)
     with pytest.raises(RuntimeError, match="out of bounds"):
-        _host_copy(torch.empty(8), shrunk, 0, 0)
+        _host_copy(torch.empty(8), shrunk, 0, None, 0)
 
 
 @pytest.mark.parametrize("chunk_bytes", [0, 64, 1000])

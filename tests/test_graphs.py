@@ -310,7 +310,11 @@ def test_replay_copies_copy_after_the_replay_and_record_their_event(configure):
 
     class Record:  # the fields ReplayCopies reads from a TensorRecord
         host = manager.pool.acquire(64 * 4, False)
-        ptr, start, itemsize, nbytes = source.data_ptr(), 16, 4, 32 * 4
+        ptr, start, end, itemsize, nbytes = source.data_ptr(), 16, 48, 4, 32 * 4
+
+        @staticmethod
+        def rows(to_host):
+            return None
 
     class Group:
         label = "core_attn/L0/mb1"
