@@ -184,10 +184,7 @@ class ChunkOffloadHandler:
                 # instead of one per piece (docs/design.md, Views).
                 last.extend_to(start + numel)
                 return last
-        rec = TensorRecord(group, t, ptr, start, numel, version, itemsize)
-        records.append(rec)
-        group.records.append(rec)
-        return rec
+        return self._new_record(records, TensorRecord(group, t, ptr, start, numel, version, itemsize))
 
     def rows_record_for(self, group: OffloadGroup, t: torch.Tensor, ptr: int, start: int, rows: int,
                         width: int, pitch: int, itemsize: int) -> TensorRecord:
@@ -212,9 +209,14 @@ class ChunkOffloadHandler:
                 return self.record_for(group, t, ptr, 0, t.untyped_storage().nbytes() // itemsize, itemsize)
         else:
             records = self._by_storage[ptr] = []
-        rec = TensorRecord(group, t, ptr, start, rows * width, t._version, itemsize, width, pitch)
+        return self._new_record(records, TensorRecord(group, t, ptr, start, rows * width, t._version, itemsize,
+                                                      width, pitch))
+
+    @staticmethod
+    def _new_record(records: list[TensorRecord], rec: TensorRecord) -> TensorRecord:
+        """``rec``, indexed under its storage (``records``) and owned by its group."""
         records.append(rec)
-        group.records.append(rec)
+        rec.group.records.append(rec)
         return rec
 
     def live_aliases(self, ptr: int) -> int:

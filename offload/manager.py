@@ -314,13 +314,13 @@ class PipelineOffloadManager:
         offset = start = t.storage_offset()
         size, stride = t.size(), t.stride()
         handler = group.handler
-        rows = None
-        if not t.is_contiguous():
-            rows = gapped_rows(size, stride)
-            numel = 1 + sum((n - 1) * s for n, s in zip(size, stride))  # the span the view touches
+        contiguous = t.is_contiguous()
+        rows = None if contiguous else gapped_rows(size, stride)
         if rows is not None:  # Note [10] of offload.copy_queue
             rec = handler.rows_record_for(group, t, ptr, start, *rows, itemsize)
         else:
+            if not contiguous:  # the span the view touches
+                numel = 1 + sum((n - 1) * s for n, s in zip(size, stride))
             storage_numel = storage_bytes // itemsize
             if 2 * numel >= storage_numel:  # most of the storage: record all of it (docs/design.md, Views)
                 start, numel = 0, max(storage_numel, start + numel)
