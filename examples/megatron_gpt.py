@@ -41,6 +41,9 @@ peak (``alternate_baseline``): a comparison that drift between processes cannot 
 ``--peak-trace DIR`` records the allocator's history over the last step (left out of the times
 and peaks) and writes what is live at its peak, by allocation site (`offload.tools.peak_live`):
 ``python -m offload.tools.peak_live A/peak_rank0.json B/peak_rank0.json`` compares two runs.
+``--device-memory-gib N`` lets the caching allocator hold at most N GiB: runs then compare at
+equal device memory, which ``max_memory_allocated`` alone does not show where an offloading frees
+tensors its copies still read (``record_stream``; the allocator takes new memory meanwhile).
 ``--deterministic`` (the default) makes a run reproducible, which such a comparison needs on a
 GPU (and sets ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` for Transformer Engine).
 
@@ -192,6 +195,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peak-trace", type=Path, default=None, metavar="DIR",
                    help="record the allocator's history over the last step (not timed) and write what is live "
                         "at its peak, by allocation site, to DIR/peak_rank<R>.json (offload.tools.peak_live)")
+    p.add_argument("--device-memory-gib", type=float, default=None, metavar="GIB",
+                   help="the most device memory the caching allocator may hold (set_per_process_memory_fraction): "
+                        "a block freed while a copy still reads it (record_stream) counts until the copy is done, "
+                        "so two systems compare at equal device memory; past it the allocator synchronizes, "
+                        "frees its cache and retries (alloc_retries), then raises out of memory")
     p.add_argument("--alternate-baseline", action="store_true",
                    help="measured steps alternate between offloading and none (offload.suspended), the last "
                         "one offloading: both step times and peaks come from this one process")
@@ -229,6 +237,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.steps - args.warmup_steps < 2:
             p.error(f"--peak-trace leaves its step out of the times: it needs at least 2 measured steps "
                     f"(--steps {args.steps}, --warmup-steps {args.warmup_steps})")
+    if args.device_memory_gib is not None:
+        if args.device != "cuda":
+            p.error("--device-memory-gib caps the CUDA caching allocator: it needs --device cuda")
+        if not args.device_memory_gib > 0:
+            p.error(f"--device-memory-gib {args.device_memory_gib}: give a positive number of GiB")
     try:  # the offload flags, before any process group or model exists
         opts = megatron_offload.Options.from_args(args)
         if opts.auto:
@@ -269,12 +282,22 @@ def check_transformer_engine(args: argparse.Namespace, fail) -> None:
                  f"does not import here ({why}); install it (docs/te.md) or use --transformer-impl local")
 
 
+def cap_device_memory(gib: float) -> None:
+    """Let this process's caching allocator hold at most ``gib`` GiB of the current device."""
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    if gib * 2**30 > total:
+        raise SystemExit(f"--device-memory-gib {gib}: the device has {total / 2**30:.2f} GiB")
+    torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total)
+
+
 def init_distributed(args: argparse.Namespace) -> int:
     """Start torch.distributed (torchrun's env, or a one-process group) and Megatron's groups."""
     from megatron.core import parallel_state
 
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        if args.device_memory_gib is not None:
+            cap_device_memory(args.device_memory_gib)
     if not torch.distributed.is_initialized():
         backend = "nccl" if args.device == "cuda" else "gloo"
         if "WORLD_SIZE" in os.environ:
@@ -663,6 +686,7 @@ def main(argv: list[str] | None = None) -> int:
         "offload_memory_budget": str(megatron_offload.Options.from_args(args).memory_budget or "") or None,
         "offload_plan": ranks[0].get("offload_plan"),
         "steps": args.steps, "warmup_steps": args.warmup_steps, "deterministic": args.deterministic,
+        "device_memory_gib": args.device_memory_gib,
         "losses": step_losses,
         "loss_hex": [[float(x).hex() for x in mb] for mb in last.get("microbatch_losses") or []],
         "param_sha256": [r.get("param_sha256") for r in ranks],

@@ -59,6 +59,9 @@ GIVE_UP = 20
 """``end_iteration()`` calls after which a measurement not yet decided stops silently."""
 THRESHOLD = 0.02
 """The notice is said when the compute stream waited for copies more than this share of a step."""
+BACKWARD_OVER_FORWARD = 2.0
+"""A backward's compute, taken as this many times its forward's: copies out that do not fit under
+the forward may still fit under the forward and the backward together."""
 MAX_SUBSET_NAMES = 12
 """The subset that fits is searched among at most this many names (those moving the most bytes)."""
 
@@ -151,7 +154,26 @@ INTO_BACKWARD = (
     "backward starts instead, so that they run on under the forward's tail.")
 
 
-def _instead(names: Sequence[NameFigures], max_inflight_groups: int) -> str:
+def _more_in_flight(names: Sequence[NameFigures], total: float, max_inflight_groups: int,
+                    copies_into_backward: bool) -> str:
+    """The sentence that keeps every name where copies out that do not fit under the forward
+    would fit under the forward and the backward, and the waits for them come from the in-flight
+    bound rather than the forward's end; otherwise ''."""
+    out = sum(n.offload_wait_ms for n in names)
+    flush = sum(n.flush_wait_ms for n in names)
+    if not 1.0 < total <= 1.0 + BACKWARD_OVER_FORWARD or out < sum(n.reload_wait_ms for n in names) \
+            or 2 * flush > out:
+        return ""
+    more = f"max_inflight_groups={max_inflight_groups + 1} (--offload-max-inflight-groups)"
+    how = (f"{more} lets" if copies_into_backward else
+           f"{more} with copies_into_backward=True (--offload-copies-into-backward) let")
+    largest = max(n.bytes_per_group for n in names if n.groups > 0)
+    return (f" Or keep them all where the memory allows: {out - flush:.1f} ms per step of the waits are the "
+            f"in-flight bound's, and {how} the copies out run on under the backward (each group more in flight "
+            f"holds its bytes at the peak, up to {_size(largest)}).")
+
+
+def _instead(names: Sequence[NameFigures], max_inflight_groups: int, copies_into_backward: bool) -> str:
     offloading = [n for n in names if n.groups > 0]
     known = [n for n in offloading if n.share is not None]
     total = sum(n.share for n in known)
@@ -187,13 +209,14 @@ def _instead(names: Sequence[NameFigures], max_inflight_groups: int) -> str:
                 f"offload fewer bytes per layer, or {PLANNER}.")
     best = fitting_subset(known)
     need = f"the copies out of all of them need {_percent(total)} of the forward compute they run under"
+    more = "" if unknown else _more_in_flight(names, total, max_inflight_groups, copies_into_backward)
     if not best:
         return (f"Instead: at the measured rate ({rate}) no one of them fits under its layer's forward compute"
-                f"{left_out}; offload modules that save fewer bytes per layer, or {PLANNER}.")
+                f"{left_out}; offload modules that save fewer bytes per layer, or {PLANNER}.{more}")
     subset = ",".join(n.name for n in best)
     return (f"Instead: at the measured rate ({rate}) {need}{left_out}; {', '.join(n.name for n in best)} "
             f"fit ({_percent(sum(n.share for n in best))}, {_size(sum(n.bytes_per_step for n in best))} per step "
-            f"instead of {_size(moved)}): offload.configure(modules=\"{subset}\"); or {PLANNER}.")
+            f"instead of {_size(moved)}): offload.configure(modules=\"{subset}\"); or {PLANNER}.{more}")
 
 
 def copy_wait_notice(names: Sequence[NameFigures], step_ms: float, iterations: Sequence[int] = (),
@@ -201,7 +224,9 @@ def copy_wait_notice(names: Sequence[NameFigures], step_ms: float, iterations: S
     """The notice for these figures (``names``: one per group name; ``step_ms``: the measured
     step; ``iterations``: which were measured), or ``None`` when the compute stream waited for
     copies at most `THRESHOLD` of the step. Where most waits for copies out are at the
-    forward's end and ``copies_into_backward`` is off, a last line says what it would do."""
+    forward's end and ``copies_into_backward`` is off, a last line says what it would do; where
+    they are the in-flight bound's and the copies out would fit under the forward and the
+    backward, the advice names one more group in flight (`_more_in_flight`)."""
     waited = sum(n.wait_ms for n in names)
     if step_ms <= 0 or waited <= THRESHOLD * step_ms:
         return None
@@ -210,7 +235,7 @@ def copy_wait_notice(names: Sequence[NameFigures], step_ms: float, iterations: S
              f"{100 * waited / step_ms:.1f}% of the {step_ms:.1f} ms step (over {_percent(THRESHOLD)}; "
              f"{where}said once per process):"]
     lines += [_describe(n) for n in sorted(names, key=lambda n: -n.wait_ms)]
-    lines.append(_instead(names, max_inflight_groups))
+    lines.append(_instead(names, max_inflight_groups, copies_into_backward))
     out = sum(n.offload_wait_ms for n in names)
     if not copies_into_backward and 2 * sum(n.flush_wait_ms for n in names) > out:
         lines.append(INTO_BACKWARD)

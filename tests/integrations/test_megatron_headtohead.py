@@ -383,3 +383,16 @@ def test_warmup_steps_replace_each_runs_warmup_and_graphed_runs_keep_their_captu
     assert h2h.main(["--list", "--workloads", "dsv3_proxy", "--systems", "offload", "--graphs", "none",
                      "--warmup-steps", "8", "--measured-steps", "10"]) == 0
     assert "--steps 18 --warmup-steps 8" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "cpu", "--device-memory-gib", "60"], "it needs --device cuda"),
+    (["--device", "cuda", "--device-memory-gib", "0"], "give a positive number of GiB"),
+    (["--device", "cuda", "--device-memory-gib", "-1"], "give a positive number of GiB"),
+], ids=["cpu", "zero", "negative"])
+def test_example_device_memory_cap_is_refused_where_it_cannot_hold(example, capsys, argv, message):
+    """The cap is the CUDA caching allocator's; a run on the CPU, or a cap of nothing, would
+    measure an uncapped run under a capped run's name."""
+    with pytest.raises(SystemExit):
+        example.parse_args(argv)
+    assert message in capsys.readouterr().err
