@@ -154,21 +154,18 @@ INTO_BACKWARD = (
     "backward starts instead, so that they run on under the forward's tail.")
 
 
-def _more_in_flight(names: Sequence[NameFigures], total: float, max_inflight_groups: int,
+def _more_in_flight(names: Sequence[NameFigures], total: float, bound_ms: float, max_inflight_groups: int,
                     copies_into_backward: bool) -> str:
     """The sentence that keeps every name where copies out that do not fit under the forward
-    would fit under the forward and the backward, and the waits for them come from the in-flight
-    bound rather than the forward's end; otherwise ''."""
-    out = sum(n.offload_wait_ms for n in names)
-    flush = sum(n.flush_wait_ms for n in names)
-    if not 1.0 < total <= 1.0 + BACKWARD_OVER_FORWARD or out < sum(n.reload_wait_ms for n in names) \
-            or 2 * flush > out:
+    (``total`` of it) would fit under the forward and the backward, the waits being the
+    in-flight bound's (``bound_ms`` per step); otherwise ''."""
+    if not 1.0 < total <= 1.0 + BACKWARD_OVER_FORWARD:
         return ""
     more = f"max_inflight_groups={max_inflight_groups + 1} (--offload-max-inflight-groups)"
     how = (f"{more} lets" if copies_into_backward else
            f"{more} with copies_into_backward=True (--offload-copies-into-backward) let")
     largest = max(n.bytes_per_group for n in names if n.groups > 0)
-    return (f" Or keep them all where the memory allows: {out - flush:.1f} ms per step of the waits are the "
+    return (f" Or keep them all where the memory allows: {bound_ms:.1f} ms per step of the waits are the "
             f"in-flight bound's, and {how} the copies out run on under the backward (each group more in flight "
             f"holds its bytes at the peak, up to {_size(largest)}).")
 
@@ -182,12 +179,13 @@ def _instead(names: Sequence[NameFigures], max_inflight_groups: int, copies_into
     rate = f"{_size(moved / copy_ms * 1e3)}/s out" if copy_ms > 0 else "no copy out timed"
     unknown = [n.name for n in offloading if n.share is None]
     left_out = f" ({', '.join(unknown)}: forward compute not measured, left out)" if unknown else ""
+    out = sum(n.offload_wait_ms for n in names)  # for copies out, `flush` of it at the forward's end
+    flush = sum(n.flush_wait_ms for n in names)
+    waits_out = out >= sum(n.reload_wait_ms for n in names)
     if offloading and not unknown and total <= 1.0:
         head = (f"Instead: their copies out need {_percent(total)} of the forward compute they run under, so "
                 "they fit at the measured rate")
-        out = sum(n.offload_wait_ms for n in names)
-        flush = sum(n.flush_wait_ms for n in names)
-        if out >= sum(n.reload_wait_ms for n in names):
+        if waits_out:
             if 2 * flush > out:
                 return (f"{head}; the waits come from the forward's end ({flush:.1f} of the {out:.1f} ms per step "
                         "for copies out): there the compute stream waits for the copies still in flight so that "
@@ -209,7 +207,9 @@ def _instead(names: Sequence[NameFigures], max_inflight_groups: int, copies_into
                 f"offload fewer bytes per layer, or {PLANNER}.")
     best = fitting_subset(known)
     need = f"the copies out of all of them need {_percent(total)} of the forward compute they run under"
-    more = "" if unknown else _more_in_flight(names, total, max_inflight_groups, copies_into_backward)
+    bound_made_them = waits_out and 2 * flush <= out
+    more = _more_in_flight(names, total, out - flush, max_inflight_groups, copies_into_backward) \
+        if bound_made_them and not unknown else ""
     if not best:
         return (f"Instead: at the measured rate ({rate}) no one of them fits under its layer's forward compute"
                 f"{left_out}; offload modules that save fewer bytes per layer, or {PLANNER}.{more}")
