@@ -131,12 +131,16 @@ class ReplayCopies:
         """Copy ``records`` of ``group`` after each replay: to the host from the span each
         saved, or back into its reload buffer (``rec.dev``)."""
         self.groups.append(group)
-        for rec in records:  # the span each reads or writes on the device, in rows if it has gaps (Note [10])
-            address = rec.ptr + rec.start * rec.itemsize if self.to_host else rec.dev.data_ptr()
-            rows = rec.rows(self.to_host)
+        for rec in records:  # the span each reads on the device, in rows if it has gaps, or the
+            # reload buffer it writes, packed (Note [10] of offload.copy_queue)
+            if self.to_host:
+                address, rows = rec.ptr + rec.start * rec.itemsize, rec.rows()
+                nbytes = (rec.end - rec.start) * rec.itemsize
+            else:
+                address, nbytes, rows = rec.dev.data_ptr(), rec.nbytes, None
             if rows is not None:  # in bytes, as the spans are
                 rows = Rows(rows.count, *(n * rec.itemsize for n in rows[1:]))
-            self._spans.append((rec.host.tensor[:rec.nbytes], address, (rec.end - rec.start) * rec.itemsize, rows))
+            self._spans.append((rec.host.tensor[:rec.nbytes], address, nbytes, rows))
         self._program = None
 
     def clear(self) -> None:

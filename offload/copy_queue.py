@@ -52,7 +52,8 @@ Note [8] A second look. A record whose storage something else holds when its gro
     are issued stays on the GPU: copying it would free nothing. Often the holder lets go soon
     (the code that called the module keeps its input in a local until it returns, a residual
     until the add), sometimes only at the forward's end (Megatron's ``GPTModel.forward`` keeps
-    the embedding's output, the first layer's input, until it returns). So those records are
+    the embedding's output, the first layer's input, until it returns, unless the Megatron
+    integration hands it to the decoder, `_hand_the_embedding_output_to_the_decoder`). So those records are
     checked again (`offload_released`) at every group open of their chunk's forward, when its
     last group closes, when the attached model's forward returns (`offload.attach`'s forward
     hook: `PipelineOffloadManager.model_forward_returned`), when the forward is over and not
@@ -89,15 +90,19 @@ Note [10] Views with gaps. A saved view whose elements are rows with gaps betwee
     half of a GLU's input, ``torch.chunk(fc1_output, 2, dim=-1)[0]``: rows of ``f`` elements,
     ``2f`` apart) is recorded as those rows alone (`offload.group.gapped_rows`: at least half of
     each row's pitch a gap): copied to the host as rows (``cudaMemcpy2DAsync``), packed there,
-    and back into a reload buffer of the span, row by row, so that the view comes back with the
-    strides it was saved with. Recorded as the span, it moved the gaps too, both ways:
-    Megatron's experts save only the activated half (the other one goes through ``x_linear +
-    glu_linear_offset``), a fifth of what ``moe_act`` moved. The reload buffer keeps its gaps,
-    unwritten: a view rebuilt packed would have other strides, and kernels do not all give the
-    same bits for them (the CPU's SiLU does not), nor read a layout the same (Transformer
-    Engine's fused attention derives one from the strides at forward time). A second view of
-    the same storage saved in the same group makes the record all of the storage
-    (`TensorRecord.widen`): one copy each way, as before.
+    and reloaded packed, into a buffer of the rows alone. Recorded as the span, it moved the
+    gaps too, both ways: Megatron's experts save only the activated half (the other one goes
+    through ``x_linear + glu_linear_offset``), a fifth of what ``moe_act`` moved. The view
+    comes back with the strides it was saved with: at its record's first unpack the rows are
+    spread into a new buffer of the span, on the compute stream (`CopyQueue.spread`), the gaps
+    unwritten, and the packed buffer is dropped. A view handed back packed would have other
+    strides, and kernels do not all give the same bits for them (the CPU's SiLU does not), nor
+    read a layout the same (Transformer Engine's fused attention derives one from the strides
+    at forward time). So between the prefetch and the backward that needs it (the layer after
+    it runs its backward then: where Megatron's MoE at DeepSeek-V3's widths peaks, in an
+    attention backward), the record holds the rows' bytes, not the span's; for the one device
+    copy of the spread, the two buffers are live together. A second view of the same storage saved in the same group makes the record all
+    of the storage (`TensorRecord.widen`): one copy each way, as before.
 
 The in-flight bound: when a group opens, the compute stream first waits for the oldest copies
 until at most ``max_inflight_groups`` groups hold GPU memory while their copies run
@@ -114,7 +119,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from . import nvtx
-from .group import GroupState, OffloadGroup
+from .group import GroupState, OffloadGroup, TensorRecord
 from .pinned_pool import PinnedHostPool
 from .stats import StatsRecorder
 
@@ -228,7 +233,7 @@ class CopyQueue:
                     seen.add(id(event))
                     d2h.wait_event(event)
         start = self._timing_start(d2h, timing)
-        streams.copy(d2h, [(rec.host_view(), rec.src, rec.start, rec.rows(True)) for rec in todo], self.chunk_bytes)
+        streams.copy(d2h, [(rec.host_view(), rec.src, rec.start, rec.rows()) for rec in todo], self.chunk_bytes)
         group.d2h_done.record(d2h)
         nvtx.pop()
         if timing:
@@ -338,7 +343,7 @@ class CopyQueue:
         timing = self.stats.timing and session is None
         current = streams.current()
         for rec in todo:
-            rec.dev = streams.empty(rec.end - rec.start, rec.dtype)  # Note [2]; rows with their gaps (Note [10])
+            rec.dev = streams.empty(rec.numel, rec.dtype)  # Note [2]; rows packed (Note [10])
         start = None
         if replay is not None:
             replay.add(group, todo)
@@ -354,7 +359,7 @@ class CopyQueue:
                     h2d.wait_event(owner.d2h_done)  # Note [3]
             done = streams.event(timing)
             start = self._timing_start(h2d, timing)
-            streams.copy(h2d, [(rec.dev, rec.host_view(), 0, rec.rows(False)) for rec in todo], self.chunk_bytes)
+            streams.copy(h2d, [(rec.dev, rec.host_view(), 0, None) for rec in todo], self.chunk_bytes)
             done.record(h2d)
             nvtx.pop()
         for rec in todo:
@@ -380,6 +385,22 @@ class CopyQueue:
         if sid not in group.waited:
             group.waited.add(sid)
             self.wait(self.streams.current(), group.h2d_done, "reload_wait_ms", group.name)
+
+    def spread(self, rec: TensorRecord) -> None:
+        """Note [10]: put a record of rows, reloaded packed, where its saved views read them, in
+        a new buffer of its span (the gaps unwritten), on the current stream, which waited for
+        the reload (Note [4]); the packed buffer is dropped, after that copy on its own stream."""
+        streams = self.streams
+        current = streams.current()
+        span = streams.empty(rec.end - rec.start, rec.dtype)
+        count = rec.numel // rec.width
+        span.as_strided((count, rec.width), (rec.pitch, 1)).copy_(rec.dev.view(count, rec.width))
+        alloc = rec.reload_group.alloc_stream
+        if alloc is not None and alloc is not current and not streams.is_capturing():
+            spread = streams.event()
+            spread.record(current)
+            alloc.wait_event(spread)  # the packed buffer is reused in the allocator's order on ``alloc``
+        rec.dev = span
 
     # ------------------------------------------------------------------ retirement
     def settle(self, group: OffloadGroup) -> None:

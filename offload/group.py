@@ -76,7 +76,9 @@ class TensorRecord:
     """One span of one storage saved in a group, and where its bytes are now.
 
     ``src`` is the GPU tensor (held until the D2H copy finished), ``host`` the pinned copy,
-    ``dev`` the reloaded span (held only until every handle has been unpacked once).
+    ``dev`` the reloaded span (held only until every handle has been unpacked once; a record of
+    rows is reloaded packed and spread over its span at its first unpack, Note [10] of
+    offload.copy_queue).
     """
 
     __slots__ = (
@@ -120,13 +122,18 @@ class TensorRecord:
             return self.start + (self.numel // self.width - 1) * self.pitch + self.width
         return self.start + self.numel
 
-    def rows(self, to_host: bool) -> Rows | None:
-        """What a copy of this record moves (`offload.streams.CopyJob`): its rows, packed on the
-        host and spaced on the device, or None for one run of elements."""
+    def rows(self) -> Rows | None:
+        """What the copy of this record to the host moves (`offload.streams.CopyJob`): its rows,
+        spaced on the device and packed on the host, or None for one run of elements. The copy
+        back is always one run: rows come back packed (Note [10] of offload.copy_queue)."""
         if not self.pitch:
             return None
-        pitches = (self.width, self.pitch) if to_host else (self.pitch, self.width)
-        return Rows(self.numel // self.width, self.width, *pitches)
+        return Rows(self.numel // self.width, self.width, self.width, self.pitch)
+
+    @property
+    def reloaded_packed(self) -> bool:
+        """Whether ``dev`` holds this record's rows packed, not yet spread over its span."""
+        return bool(self.pitch) and self.dev is not None and self.dev.numel() == self.numel
 
     def extend_to(self, end: int) -> None:
         """Make this span reach element ``end`` of its storage (only while its group is open,

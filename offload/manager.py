@@ -350,6 +350,8 @@ class PipelineOffloadManager:
                 )
             self.reload(group, prefetch=False)
         self.copies.wait_reloaded(rec.reload_group)  # Note [4] of offload.copy_queue
+        if rec.reloaded_packed:
+            self.copies.spread(rec)  # Note [10] of offload.copy_queue
         out = rec.dev.as_strided(h.size, h.stride, h.offset - rec.start)
         rec.unpacked += 1
         if rec.unpacked >= rec.handles:

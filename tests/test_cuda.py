@@ -398,6 +398,55 @@ def test_a_lone_view_with_gaps_leaves_as_its_rows(configure, monkeypatch, copies
         assert s.bytes_offloaded == s.bytes_reloaded == (layers - 1) * 3 * half * 2, s
 
 
+def _odd_layers_on(model: torch.nn.Module, stream: torch.cuda.Stream) -> torch.nn.Module:
+    """``model`` (a `build_gpt` stack) with its odd layers' forwards on ``stream``: their
+    backwards run there too, while the reloads of their groups are issued from the backward of
+    the layer after them, on the default stream."""
+    for layer in model.layers[1::2]:
+        def forward(x, *args, _forward=layer.forward, **kwargs):
+            main = torch.cuda.current_stream()
+            stream.wait_stream(main)
+            with torch.cuda.stream(stream):
+                x.record_stream(stream)
+                y = _forward(x, *args, **kwargs)
+            main.wait_stream(stream)
+            y.record_stream(main)
+            return y
+        layer.forward = forward
+    return model
+
+
+def test_a_view_with_gaps_spread_on_another_stream_than_its_reload(configure, monkeypatch):
+    """Note [10] of offload.copy_queue: a record of rows unpacked on another stream than the one
+    its reload buffer was allocated on is spread there (the allocating stream then waits for the
+    spread before the packed buffer is dropped). Copies slowed, 6 iterations of fresh inputs:
+    gradients bitwise, and some spreads crossed streams."""
+    hidden, heads, layers, seq, batch = 256, 4, 4, 256, 2
+    side = torch.cuda.Stream()
+    model = _odd_layers_on(with_gate_only_glu(build_gpt(hidden, heads, layers, dtype=torch.bfloat16,
+                                                        device="cuda")), side)
+    ref_model = _odd_layers_on(copy.deepcopy(model), side)
+    x, g = seeded_pair(0, seq, batch, hidden, dtype=torch.bfloat16, device="cuda")
+    reproducible(lambda: train_step(ref_model, x, g))
+    manager = configure(["mlp_act"], min_tensor_bytes=1024, device="cuda")
+    offload.attach(model, GPT_MAPPING)
+    crossed: list[bool] = []
+    spread = manager.copies.spread
+
+    def watched(rec):
+        crossed.append(rec.reload_group.alloc_stream is not manager.streams.current())
+        spread(rec)
+
+    monkeypatch.setattr(manager.copies, "spread", watched)
+    slow_side_streams(monkeypatch)
+    for it in range(6):
+        x, g = seeded_pair(it + 1, seq, batch, hidden, dtype=torch.bfloat16, device="cuda")
+        assert_step_bitwise(ref_model, model, x, g, it)
+        s = offload.end_iteration().by_name["mlp_act"]
+        assert s.bytes_reloaded > 0
+    assert crossed and any(crossed), crossed
+
+
 def test_timing_statistics_are_plausible(configure):
     hidden, heads, layers, seq, batch = 1024, 8, 4, 2048, 1
     model = build_gpt(hidden, heads, layers, dtype=torch.bfloat16, device="cuda")

@@ -17,7 +17,9 @@ a fresh process with ``TORCH_CUDA_SANITIZER=1`` (which enables it at ``import to
 * ``steps``: training steps of a 4-layer stack with four names offloaded (four plain steps,
   then two with slowed copy streams), each followed by ``end_iteration()``: bytes go out and
   come back, gradients are bitwise equal to a reference without offloading, and the
-  sanitizer reports nothing, having seen kernels on both copy streams.
+  sanitizer reports nothing, having seen kernels on both copy streams; ``regions``,
+  ``checkpointed`` and ``gapped`` are the same steps through graphed-callable regions run
+  eagerly, checkpointed layers, and a GLU that saves half its input (`_steps`).
 
 What the sanitizer can and cannot see: it keys accesses by the data pointer of each tensor
 argument, so it checks the engine's copies (whole storages, from their first byte) against
@@ -44,8 +46,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve()
 
 
-def _load_requires_cuda():
-    """`requires_cuda` of tests/conftest.py, loaded from its file (see below)."""
+def _conftest():
+    """tests/conftest.py, loaded from its file: in a whole-suite run another conftest.py
+    (tests/integrations/) can hold the name ``conftest``, and the subprocess has neither."""
     import importlib.util
 
     name = "_offload_tests_conftest"
@@ -55,15 +58,13 @@ def _load_requires_cuda():
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
-    return module.requires_cuda
+    return module
 
 
-try:
-    from conftest import requires_cuda
-except ImportError:  # in a whole-suite run another conftest.py (tests/integrations/) can hold that name
-    requires_cuda = _load_requires_cuda()
+requires_cuda = _conftest().requires_cuda
 
 NAMES = ["qkv_linear", "core_attn", "attn_proj", "fc1"]
+MODES = ("steps", "regions", "checkpointed", "gapped")
 PLAIN_STEPS, SLOW_STEPS = 4, 2
 SPIN_CYCLES = 2_000_000  # about a millisecond of a spinning kernel before each copy
 TIMEOUT_S = 300
@@ -108,7 +109,10 @@ def _steps(mode: str = "steps") -> int:
     ``offload.graphs`` graphed-callable region, eagerly: the warm-up that plans a capture.
     ``checkpointed``: each layer runs under the planner's checkpointing with its inputs
     offloaded (the "memory-free" layer), whose group signals when its backward starts (Note [2]
-    of offload/regions.py), so the layer below reloads under this layer's recompute."""
+    of offload/regions.py), so the layer below reloads under this layer's recompute.
+    ``gapped``: the MLP's activation saves only the first half of its input, a view with gaps
+    (`GateOnlyGLU` of tests/conftest.py), and ``mlp_act`` is offloaded too: its rows come back
+    packed and are spread on the compute stream at their unpack (Note [10] of offload.copy_queue)."""
     regions = mode == "regions"
     import collections
     import copy
@@ -135,6 +139,10 @@ def _steps(mode: str = "steps") -> int:
     torch.use_deterministic_algorithms(True)
     hidden, heads, layers, seq, batch = 256, 4, 4, 2048, 1
     model = build_gpt(hidden, heads, layers, device="cuda")
+    names = NAMES
+    if mode == "gapped":
+        model = _conftest().with_gate_only_glu(model)
+        names = NAMES + ["mlp_act"]
     ref_model = copy.deepcopy(model)
 
     def inputs(seed):
@@ -158,7 +166,7 @@ def _steps(mode: str = "steps") -> int:
         manager = offload.configure(["layers"], device="cuda", min_tensor_bytes=1024)
         offload.attach(model, {"layers": layer_names})
     else:
-        manager = offload.configure(NAMES, device="cuda", min_tensor_bytes=1024)
+        manager = offload.configure(names, device="cuda", min_tensor_bytes=1024)
         offload.attach(model, GPT_MAPPING)
     if regions:  # the model's forward through per-layer regions (same modules, same parameters)
         fns = [offload.graphs._as_region(layer, ("layer", i)) for i, layer in enumerate(model.layers)]
@@ -258,12 +266,13 @@ def test_sanitizer_reports_a_deliberate_race():
 
 
 @requires_cuda
-@pytest.mark.parametrize("mode", ["steps", "regions", "checkpointed"])
+@pytest.mark.parametrize("mode", MODES)
 def test_offloading_steps_are_race_free_under_the_sanitizer(mode):
     """``steps``: eager offloading steps. ``regions``: the same steps with every layer an
     ``offload.graphs`` region run eagerly, the warm-up whose plan a capture repeats (a capture
     itself runs no kernel the sanitizer could see). ``checkpointed``: checkpointed layers whose
-    inputs are offloaded, each reloading the one below from the start of its backward."""
+    inputs are offloaded, each reloading the one below from the start of its backward.
+    ``gapped``: a GLU that saves half its input, whose rows are spread where they are unpacked."""
     proc = _run_sanitized(mode)
     report = _report(proc.stdout, proc.stderr)
     assert "CSAN detected" not in proc.stderr, f"the sanitizer reported a race{report}"
@@ -274,6 +283,6 @@ def test_offloading_steps_are_race_free_under_the_sanitizer(mode):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2 or sys.argv[1] not in ("control", "steps", "regions", "checkpointed"):
-        raise SystemExit(f"usage: TORCH_CUDA_SANITIZER=1 {sys.argv[0]} control|steps|regions|checkpointed")
+    if len(sys.argv) != 2 or sys.argv[1] not in ("control", *MODES):
+        raise SystemExit(f"usage: TORCH_CUDA_SANITIZER=1 {sys.argv[0]} control|{'|'.join(MODES)}")
     sys.exit(_control() if sys.argv[1] == "control" else _steps(sys.argv[1]))

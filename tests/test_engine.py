@@ -294,6 +294,59 @@ def test_a_lone_view_with_gaps_moves_only_its_rows(configure, chunk_bytes):
     assert s.tensors_offloaded == 4
 
 
+def test_a_lone_view_with_gaps_waits_for_its_backward_packed(configure):
+    """Note [10] of offload.copy_queue: between its prefetch and its backward, the reload of the
+    gate's rows holds their bytes alone, not their span's; its unpack spreads them into a buffer
+    of the span, and the view comes back with its strides and bitwise the same gradients."""
+    held: list = []
+    engine: list = []  # the manager, once configured
+
+    class Probe(torch.autograd.Function):
+        """Its backward runs in the GLU group's backward, before the gate's is unpacked."""
+
+        @staticmethod
+        def forward(ctx, y):
+            return y * 1.0
+
+        @staticmethod
+        def backward(ctx, grad):
+            held.extend((r.numel, r.end - r.start, r.dev.numel()) for m in engine for h in m.live_handlers
+                        for group in h.groups for r in group.records if r.pitch and r.dev is not None)
+            return grad
+
+    def step(offloading: bool):
+        torch.manual_seed(3)
+        x = torch.randn(64, 16, requires_grad=True)
+        w = torch.randn(16, 48, requires_grad=True)
+        _SeenStrides.seen = []
+
+        def body(h):
+            gate, lin = (h @ w).chunk(2, dim=-1)
+            return Probe.apply(_SeenStrides.apply(gate) * (lin + 0.0))
+
+        if not offloading:
+            (body(x * 1.0) * 2).sum().backward()
+            return [x.grad, w.grad]
+        with offload.group("glu", x * 1.0) as h:
+            y = body(h)
+        with offload.group("glu", y) as y_in:  # a second group: the first one is offloaded
+            loss = (y_in * 2).sum()
+        loss.backward()
+        return [x.grad, w.grad]
+
+    ref = step(False)
+    assert held == []
+    manager = configure(["glu"], min_tensor_bytes=0)
+    engine.append(manager)
+    got = step(True)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert _SeenStrides.seen == [(48, 1)]
+    assert held == [(64 * 24, 63 * 48 + 24, 64 * 24)]  # 64 rows of 24: packed, where the span is 3048
+    s = offload.end_iteration().by_name["glu"]
+    assert s.reloads_prefetched == 1 and s.reloads_on_demand == 0
+    assert all(r.dev is None for h in manager.live_handlers for g in h.groups for r in g.records)
+
+
 @pytest.mark.parametrize("saved", ["both", "interleaved"])
 def test_views_saved_together_keep_their_storage_and_strides(configure, saved):
     """A second view of the storage in the same group makes its record the whole storage: one

@@ -313,7 +313,7 @@ def test_replay_copies_copy_after_the_replay_and_record_their_event(configure):
         ptr, start, end, itemsize, nbytes = source.data_ptr(), 16, 48, 4, 32 * 4
 
         @staticmethod
-        def rows(to_host):
+        def rows():
             return None
 
     class Group:

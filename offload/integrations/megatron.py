@@ -22,6 +22,10 @@ The pieces, each usable alone (this module attaches and wraps; the others are it
   names below to offload and which containers (each ``TransformerLayer``, its
   ``self_attention``, its ``mlp``) to recompute. The wrapped ``forward_backward_func`` makes
   the plan on its first training call (`MegatronOffload.wrap`).
+* **The embedding's output.** ``GPTModel.forward`` holds the first layer's input until it
+  returns; `apply` lets its decoder drop that reference, as Megatron does in inference
+  (`_hand_the_embedding_output_to_the_decoder`), so the first layer's groups copy it with their
+  other copies instead of after the loss.
 
 Names (relative to each ``TransformerLayer``; "saves" is what autograd keeps for backward):
 
@@ -237,6 +241,52 @@ def _act_region_hooks(name: str | None, mlp: nn.Module, fc1: nn.Module, fc2: nn.
     ]
 
 
+def _hand_the_embedding_output_to_the_decoder(chunk: nn.Module) -> Callable[[], None] | None:
+    """Let the decoder drop ``GPTModel.forward``'s reference to the embedding's output, the first
+    layer's input, as Megatron does in inference (a ``WrappedTensor``, which ``TransformerBlock``
+    unwraps); returns the undo, or None where it does not apply.
+
+    In training ``GPTModel.forward`` holds that tensor until it returns, only to hand it to
+    multi-token prediction, the config logger or an ``output_processor``; so the first layer's
+    groups found it held elsewhere and copied it only when the model returned (Note [8] of
+    `offload.copy_queue`), after a peak in the loss (DeepSeek-V3's widths at sequence 16384:
+    224 MiB more than Megatron's offloading, which frees it under that reference by resizing
+    its storage to zero). Left as it is where something reads it after the decoder: a model with
+    multi-token prediction or the config logger, a call with an ``output_processor``."""
+    from megatron.core.config_logger import has_config_logger_enabled
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.utils import WrappedTensor
+
+    model = unwrap(chunk)
+    if (not isinstance(model, GPTModel) or not model.pre_process or getattr(model, "mtp_process", False)
+            or has_config_logger_enabled(model.config)):
+        return None
+    preprocess = model._preprocess
+    reads_nothing_after = [False]  # this call's postprocess reads nothing of the decoder's input
+
+    def before_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        reads_nothing_after[0] = kwargs.get("output_processor") is None
+
+    def handed_over(*args: Any, **kwargs: Any) -> Any:
+        out = preprocess(*args, **kwargs)
+        if reads_nothing_after[0] and isinstance(out[0], torch.Tensor):  # inference wraps it already
+            out = (WrappedTensor(out[0]), *out[1:])
+        return out
+
+    hook = model.register_forward_pre_hook(before_forward, with_kwargs=True)
+    before = model.__dict__.get("_preprocess")
+    model._preprocess = handed_over
+
+    def undo() -> None:
+        hook.remove()
+        if before is None:
+            del model._preprocess  # the class's method again
+        else:
+            model._preprocess = before
+
+    return undo
+
+
 def _never_offload_hooks(module: nn.Module) -> list[Any]:
     """Nothing that ``module``'s forward saves is offloaded (it runs as a never-offload region)."""
     open_regions: list[offload.never_offload] = []
@@ -273,7 +323,8 @@ class MegatronOffload:
         self.found: list[ChunkModules] = []
         self._hooks: list[Any] = []
         self._attached: list[Any] = []
-        self._undo: list[Callable[[], None]] = []  # the plan's checkpoints; the routing of Megatron's TE graphs
+        # the plan's checkpoints; the routing of Megatron's TE graphs; the embedding's output handed over
+        self._undo: list[Callable[[], None]] = []
 
     @property
     def enabled(self) -> bool:
@@ -303,6 +354,9 @@ class MegatronOffload:
         syncs = module_patterns(found.experts, all_names) if found.experts else ()
         self._attached.append(offload.attach(chunk, mapping, chunk_id=chunk_id, host_syncs=syncs))
         self.mapping.append(mapping)
+        undo = _hand_the_embedding_output_to_the_decoder(chunk)
+        if undo is not None:
+            self._undo.append(undo)
         modules = dict(chunk.named_modules())
         for name in _ACT_NAMES:
             if name in self.names:
@@ -363,8 +417,8 @@ class MegatronOffload:
         return run
 
     def remove(self) -> None:
-        """Take every hook, the plan's checkpoints and the routing of Megatron's TE graphs away
-        again (the engine stays configured)."""
+        """Take every hook, the plan's checkpoints, the routing of Megatron's TE graphs and the
+        handing over of the embedding's output away again (the engine stays configured)."""
         for handle in self._attached:
             handle.remove()
         for h in self._hooks:

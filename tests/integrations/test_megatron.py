@@ -304,6 +304,33 @@ def test_selective_layernorm_recompute_composes_with_offloading(mg, no_fp8):
     assert by_name["qkv_linear"].bytes_held_elsewhere > 0
 
 
+def test_the_embedding_output_leaves_with_the_first_layers_copies(mg):
+    """`GPTModel.forward` hands the embedding's output, the first layer's input, to its decoder
+    wrapped, as Megatron does in inference (`_hand_the_embedding_output_to_the_decoder`): the
+    first layer's ``attn_norm`` group, which saves it, copies it with its other copies, before
+    the loss is computed, where it waited for the model's return (Note [8] of
+    offload.copy_queue); training stays bitwise, and `remove` gives the model its method back."""
+    ref = train(build(layers=3), fb_no_pipelining())
+    model = build(layers=3)
+    handle = mg.apply(model, "attn_norm", min_tensor_bytes=0, device="cpu")
+    manager = offload.get_manager()
+    copied_before_the_loss: list[bool] = []
+
+    def before_output_layer(module, args):
+        first = next(g for g in manager.chunks.forward.groups if g.name == "attn_norm" and g.layer == 0)
+        copied_before_the_loss.append(all(rec.host is not None for rec in first.records))
+
+    hook = model.output_layer.register_forward_pre_hook(before_output_layer)
+    assert_bitwise(ref, train(model, handle.wrap(fb_no_pipelining())))
+    hook.remove()
+    assert copied_before_the_loss == [True] * 4  # 2 steps of 2 microbatches
+    s = handle.last_stats.by_name["attn_norm"]
+    assert s.bytes_held_elsewhere == 0 and s.groups_offloaded == 2 * 2  # the last layer is kept (F B F B)
+    assert "_preprocess" in vars(model)
+    handle.remove()
+    assert "_preprocess" not in vars(model)
+
+
 def test_full_recompute_makes_groups_inert_and_stays_exact(mg):
     cfg = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     ref = train(build(layers=2, **cfg), fb_no_pipelining())
