@@ -484,17 +484,23 @@ def memory_counts(memory_stats: dict, stats) -> dict:
     return out
 
 
-def stats_summary(stats) -> dict:
+def stats_summary(stats, timed=None) -> dict:
+    """The last step's engine statistics (``stats``) and, per name, the waits and copy rates of
+    the latest timed one (``timed``: with ``OffloadConfig.timing`` every step is timed, else only
+    the three the copy-wait notice measures after two warm-up steps), with that step's number
+    (``timed_iteration``, None if no step was timed)."""
     if stats is None:
         return {}
     keep = ("groups", "groups_offloaded", "groups_kept", "bytes_offloaded", "bytes_held_elsewhere",
             "reloads_prefetched", "reloads_on_demand")
     out = {name: {k: getattr(s, k) for k in keep} for name, s in stats.by_name.items()}
-    if stats.timed:  # the engine times every iteration only with timing=True (OffloadConfig.timing)
-        for name, s in stats.by_name.items():
-            out[name] |= {"offload_wait_ms": s.offload_wait_ms, "flush_wait_ms": s.flush_wait_ms,
-                          "reload_wait_ms": s.reload_wait_ms, "d2h_gbps": s.d2h_gbps, "h2d_gbps": s.h2d_gbps}
-    return {"by_name": out, "pinned_bytes": stats.pinned_bytes, "max_inflight_groups": stats.max_inflight_groups}
+    timed = stats if stats.timed else timed
+    for name, s in (timed.by_name.items() if timed is not None else ()):
+        out.setdefault(name, {}).update(
+            offload_wait_ms=s.offload_wait_ms, flush_wait_ms=s.flush_wait_ms, reload_wait_ms=s.reload_wait_ms,
+            d2h_gbps=s.d2h_gbps, h2d_gbps=s.h2d_gbps)
+    return {"by_name": out, "pinned_bytes": stats.pinned_bytes, "max_inflight_groups": stats.max_inflight_groups,
+            "timed_iteration": None if timed is None else timed.iteration}
 
 
 def te_graph_helper(args: argparse.Namespace, chunks: list[torch.nn.Module]):
@@ -573,6 +579,7 @@ def run(args: argparse.Namespace) -> dict:
     baseline_times, peaks = [], {True: 0, False: 0}  # peaks: offloading on / suspended
     reserved = {True: 0, False: 0}  # the same for the allocator's segments (see "peak_reserved_bytes")
     counts = []  # memory_counts after each step (on the GPU)
+    timed_stats = None  # the engine's statistics of the latest step whose copies and waits were timed
     setup_bytes = torch.cuda.memory_allocated() if cuda else 0
     for step in range(args.steps):
         if graphs is not None and step == args.cuda_graph_warmup_steps:
@@ -609,6 +616,8 @@ def run(args: argparse.Namespace) -> dict:
             reserved[offloading] = max(reserved[offloading], torch.cuda.max_memory_reserved())
         if cuda:
             counts.append(memory_counts(torch.cuda.memory_stats(), handle.last_stats))
+        if handle.last_stats is not None and handle.last_stats.timed:
+            timed_stats = handle.last_stats
         losses.append([d["lm loss"].item() for d in out] if out else [])
     pools = graph_pool_bytes(cuda)
     if graphs is not None and graphs.graphs_created():
@@ -643,7 +652,7 @@ def run(args: argparse.Namespace) -> dict:
             "peak_memory_bytes": peaks[False] if cuda else None,
             "peak_reserved_bytes": reserved[False] if cuda else None,
         },
-        "offload": stats_summary(handle.last_stats),
+        "offload": stats_summary(handle.last_stats, timed_stats),
         "offload_captured": offload.get_manager().captures.captured_summary(),  # not in "offload"
         "offload_mapping": handle.mapping,
         "offload_plan": None if handle.plan is None else handle.plan.as_dict(),

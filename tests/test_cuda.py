@@ -424,7 +424,8 @@ def test_a_view_with_gaps_spread_on_another_stream_than_its_reload(configure, mo
     hidden, heads, layers, seq, batch = 256, 4, 4, 256, 2
     side = torch.cuda.Stream()
     model = with_gate_only_glu(build_gpt(hidden, heads, layers, dtype=torch.bfloat16, device="cuda"))
-    ref_model = _odd_layers_on(copy.deepcopy(model), side)  # before wrapping: a wrapper calls its own layer
+    # copied before wrapping: a deep copy shares the wrapper closures, which call the original layers
+    ref_model = _odd_layers_on(copy.deepcopy(model), side)
     model = _odd_layers_on(model, side)
     x, g = seeded_pair(0, seq, batch, hidden, dtype=torch.bfloat16, device="cuda")
     reproducible(lambda: train_step(ref_model, x, g))

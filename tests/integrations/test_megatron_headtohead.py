@@ -367,6 +367,30 @@ def test_example_memory_counts_name_the_allocators_calls_and_the_pinned_pool(exa
                                                "syncs_all_streams": 0, "pinned_allocations": None}
 
 
+def test_example_offload_summary_takes_the_waits_from_the_latest_timed_step(example):
+    """``offload`` in the JSON: the last step's counts, and the waits and copy rates of the latest
+    step the engine timed (the copy-wait notice's steps), named by ``timed_iteration``; none
+    where no step was timed, the last step's own where it was."""
+    from offload.stats import GroupStats, IterationStats
+
+    def stats(iteration, timed, wait_ms):
+        s = GroupStats(groups=4, groups_offloaded=3, bytes_offloaded=300, offload_wait_ms=wait_ms,
+                       flush_wait_ms=wait_ms / 2, reload_wait_ms=1.5, d2h_ms=0.5 if timed else 0.0)
+        return IterationStats(iteration=iteration, by_name={"moe_act": s}, timed=timed)
+
+    last, timed = stats(12, False, 0.0), stats(5, True, 7.0)
+    out = example.stats_summary(last, timed)
+    got = out["by_name"]["moe_act"]
+    assert out["timed_iteration"] == 5
+    assert (got["groups_offloaded"], got["offload_wait_ms"], got["flush_wait_ms"], got["reload_wait_ms"]) == (3, 7.0, 3.5, 1.5)
+    assert got["d2h_gbps"] == 300 / 0.5 / 1e6
+    plain = example.stats_summary(last, None)
+    assert plain["timed_iteration"] is None and "offload_wait_ms" not in plain["by_name"]["moe_act"]
+    own = example.stats_summary(stats(12, True, 2.0), timed)
+    assert own["timed_iteration"] == 12 and own["by_name"]["moe_act"]["offload_wait_ms"] == 2.0
+    assert example.stats_summary(None, timed) == {}
+
+
 def test_warmup_steps_replace_each_runs_warmup_and_graphed_runs_keep_their_capture(h2h, capsys):
     """``--warmup-steps`` sets both runs' ``--warmup-steps`` and lengthens ``--steps`` by as much;
     a graphed job refuses fewer warm-up steps than its capture needs, before any run."""
