@@ -41,6 +41,11 @@ peak (``alternate_baseline``): a comparison that drift between processes cannot 
 ``--peak-trace DIR`` records the allocator's history over the last step (left out of the times
 and peaks) and writes what is live at its peak, by allocation site (`offload.tools.peak_live`):
 ``python -m offload.tools.peak_live A/peak_rank0.json B/peak_rank0.json`` compares two runs.
+``--profile-trace DIR`` records the last step (left out the same way) under ``torch.profiler``,
+the engine's copies named as in nsys, into ``DIR/trace_rank<R>.json.gz``: ``python -m
+offload.tools.overlap report DIR/trace_rank0.json.gz`` says where the compute stream stood idle
+and for which copies, for either system's run; ``python -m offload.tools.overlap kernels
+A/trace_rank0.json.gz B/trace_rank0.json.gz`` what one run's compute stream ran more of.
 ``--device-memory-gib N`` lets the caching allocator hold at most N GiB: runs then compare at
 equal device memory, which ``max_memory_allocated`` alone does not show where an offloading frees
 tensors its copies still read (``record_stream``; the allocator takes new memory meanwhile).
@@ -109,7 +114,7 @@ import offload  # noqa: E402
 from offload.errors import OffloadError  # noqa: E402
 from offload.integrations import megatron as megatron_offload  # noqa: E402
 from offload.integrations import megatron_plan  # noqa: E402
-from offload.tools import peak_live  # noqa: E402
+from offload.tools import overlap, peak_live  # noqa: E402
 from offload.tools.report import write_json  # noqa: E402
 
 MLA_SIZES = dict(q_lora_rank=768, kv_lora_rank=256, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128)
@@ -195,6 +200,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peak-trace", type=Path, default=None, metavar="DIR",
                    help="record the allocator's history over the last step (not timed) and write what is live "
                         "at its peak, by allocation site, to DIR/peak_rank<R>.json (offload.tools.peak_live)")
+    p.add_argument("--profile-trace", type=Path, default=None, metavar="DIR",
+                   help="record the last step (not timed) under torch.profiler into DIR/trace_rank<R>.json.gz "
+                        "(offload.tools.overlap report)")
     p.add_argument("--device-memory-gib", type=float, default=None, metavar="GIB",
                    help="the most device memory the caching allocator may hold (set_per_process_memory_fraction): "
                         "a block freed while a copy still reads it (record_stream) counts until the copy is done, "
@@ -236,6 +244,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error("--peak-trace records the CUDA allocator's history: it needs --device cuda")
         if args.steps - args.warmup_steps < 2:
             p.error(f"--peak-trace leaves its step out of the times: it needs at least 2 measured steps "
+                    f"(--steps {args.steps}, --warmup-steps {args.warmup_steps})")
+    if args.profile_trace is not None:
+        if args.peak_trace is not None:
+            p.error("--profile-trace and --peak-trace both record the last step: give one")
+        if args.steps - args.warmup_steps < 2:
+            p.error(f"--profile-trace leaves its step out of the times: it needs at least 2 measured steps "
                     f"(--steps {args.steps}, --warmup-steps {args.warmup_steps})")
     if args.device_memory_gib is not None:
         if args.device != "cuda":
@@ -474,6 +488,28 @@ ALLOCATOR_COUNTS = {"device_allocs": "num_device_alloc", "device_frees": "num_de
                     "alloc_retries": "num_alloc_retries", "syncs_all_streams": "num_sync_all_streams"}
 
 
+@contextlib.contextmanager
+def step_recording(args: argparse.Namespace, traced: bool):
+    """What records the step (``--peak-trace``: the allocator's history; ``--profile-trace``:
+    ``torch.profiler``, the engine's ranges mirrored into it); nothing for an untraced step."""
+    if not traced:
+        yield None
+    elif args.peak_trace is not None:
+        with peak_live.record() as recording:
+            yield recording
+    else:
+        from torch.profiler import ProfilerActivity, profile
+
+        from offload.tools.profiler_ranges import profiler_ranges
+
+        cuda = args.device == "cuda"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profiler_ranges(), profile(activities=activities) as prof:
+            yield prof
+            if cuda:
+                torch.cuda.synchronize()
+
+
 def memory_counts(memory_stats: dict, stats) -> dict:
     """Cumulative counts after a step: the CUDA caching allocator's ``cudaMalloc`` and ``cudaFree``
     calls, its retries after emptying its cache and its waits for every stream (each a
@@ -586,7 +622,7 @@ def run(args: argparse.Namespace) -> dict:
             drop_autograd_history_kept_by_modules(chunks)
             graphs.create_cudagraphs()
         measured = step >= args.warmup_steps
-        traced = args.peak_trace is not None and step == args.steps - 1
+        traced = (args.peak_trace or args.profile_trace) is not None and step == args.steps - 1
         offloading = not (args.alternate_baseline and measured and (args.steps - 1 - step) % 2)
         batches = step_batches(args, step)
         data = [iter(batches) for _ in chunks] if interleaved else iter(batches)
@@ -594,7 +630,7 @@ def run(args: argparse.Namespace) -> dict:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        with peak_live.record() if traced else contextlib.nullcontext() as recording:
+        with step_recording(args, traced) as recording:
             optimizer.zero_grad(set_to_none=False)
             with contextlib.nullcontext() if offloading else offload.suspended():
                 out = forward_backward(
@@ -605,10 +641,12 @@ def run(args: argparse.Namespace) -> dict:
             optimizer.step()
         if cuda:
             torch.cuda.synchronize()
-        if traced:  # the recording slows the step: its time and peak are left out
+        if traced and args.peak_trace is not None:  # a recording slows the step: its time and peak are left out
             summary = peak_live.summarize(recording["snapshot"], recording["start_bytes"],
                                           torch.cuda.current_device())
             write_json(args.peak_trace / f"peak_rank{rank}.json", {"command": sys.argv, **summary})
+        elif traced:
+            overlap.export_trace(recording, args.profile_trace / f"trace_rank{rank}.json.gz")
         else:
             (times if offloading else baseline_times).append((time.perf_counter() - start) * 1e3)
         if cuda and measured and not traced:

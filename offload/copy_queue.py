@@ -101,7 +101,12 @@ Note [10] Views with gaps. A saved view whose elements are rows with gaps betwee
     at forward time). So between the prefetch and the backward that needs it (the layer after
     it runs its backward then: where Megatron's MoE at DeepSeek-V3's widths peaks, in an
     attention backward), the record holds the rows' bytes, not the span's; for the one device
-    copy of the spread, the two buffers are live together. A second view of the same storage saved in the same group makes the record all
+    copy of the spread, the two buffers are live together. A group opened with ``packed_views``
+    (`offload.group`: its backward gives the same bits for the rows packed, as an activation's
+    backward does in torch's CUDA kernels) gets them packed instead, as Megatron's offloading
+    returns every view: no spread, and its backward's kernels read contiguous rows (DeepSeek-V3's
+    widths at sequence 16384, H200: the spreads and the strided SiLU backward cost 7 ms of a
+    1.65 s step). A second view of the same storage saved in the same group makes the record all
     of the storage (`TensorRecord.widen`): one copy each way, as before.
 
 The in-flight bound: when a group opens, the compute stream first waits for the oldest copies

@@ -128,7 +128,7 @@ class TensorRecord:
         back is always one run: rows come back packed (Note [10] of offload.copy_queue)."""
         if not self.pitch:
             return None
-        return Rows(self.numel // self.width, self.width, self.width, self.pitch)
+        return Rows(self.numel // self.width, self.width, self.pitch)
 
     @property
     def reloaded_packed(self) -> bool:
@@ -287,7 +287,7 @@ class OffloadGroup:
 
     __slots__ = (
         "name", "layer", "label", "handler", "prev_same", "records", "borrowed", "state",
-        "stream", "ready", "d2h_done", "h2d_done", "alloc_stream", "waited", "capture",
+        "stream", "ready", "d2h_done", "h2d_done", "alloc_stream", "waited", "capture", "packed_views",
         "__weakref__",
     )
 
@@ -310,6 +310,7 @@ class OffloadGroup:
         # The streams that waited on ``h2d_done`` (rule 4); a reload gives the group its own set.
         self.waited: set[int] | frozenset[int] = _NO_WAITS
         self.capture = capture  # the capture session this group's forward was captured in
+        self.packed_views = False  # its views with gaps come back packed (Note [10] of offload.copy_queue)
 
     def __repr__(self) -> str:
         return f"OffloadGroup({self.label}, {self.state.name}, records={len(self.records)})"

@@ -156,11 +156,12 @@ class PipelineOffloadManager:
         self.declared_names.update(names)
 
     # ------------------------------------------------------------------ group boundaries
-    def open_group(self, name: str) -> OffloadGroup | None:
+    def open_group(self, name: str, packed_views: bool = False) -> OffloadGroup | None:
         """Start the group ``name``; returns ``None`` when it does not offload: the name is
         not enabled, no autograd graph is being recorded, the engine is ``suspended``, a
         recompute runs inside backward, the group is inside a ``torch.utils.checkpoint`` region
-        (whose tensors are recomputed, not saved), or the group policy declines it."""
+        (whose tensors are recomputed, not saved), or the group policy declines it.
+        ``packed_views``: its views with gaps come back packed (Note [10] of offload.copy_queue)."""
         check_str(name, "a group name")
         if name in self._names_open:
             raise OffloadError(
@@ -169,10 +170,13 @@ class PipelineOffloadManager:
         self._names_open.append(name)
         self.declared_names.add(name)
         try:
-            return self._open_enabled(name)
+            group = self._open_enabled(name)
         except BaseException:  # the group never opened: leave no trace of it
             self._names_open.pop()
             raise
+        if group is not None:
+            group.packed_views = packed_views
+        return group
 
     def _open_enabled(self, name: str) -> OffloadGroup | None:
         if name not in self.config.enabled or not torch.is_grad_enabled() or self.suspended:
@@ -350,9 +354,12 @@ class PipelineOffloadManager:
                 )
             self.reload(group, prefetch=False)
         self.copies.wait_reloaded(rec.reload_group)  # Note [4] of offload.copy_queue
-        if rec.reloaded_packed:
-            self.copies.spread(rec)  # Note [10] of offload.copy_queue
-        out = rec.dev.as_strided(h.size, h.stride, h.offset - rec.start)
+        if rec.reloaded_packed and group.packed_views:  # Note [10] of offload.copy_queue
+            out = rec.dev.view(h.size)
+        else:
+            if rec.reloaded_packed:
+                self.copies.spread(rec)
+            out = rec.dev.as_strided(h.size, h.stride, h.offset - rec.start)
         rec.unpacked += 1
         if rec.unpacked >= rec.handles:
             rec.dev = None  # autograd holds `out`; a second backward reloads from the host

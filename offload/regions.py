@@ -104,13 +104,24 @@ class group:
     ``None`` without inputs, the tensor for one input, else a tuple.
     If ``name`` is not in the config's ``modules`` or no graph is recorded (``no_grad``), the
     region runs exactly as without it. Opening a group inside a group of the same name raises.
+
+    ``packed_views=True`` says that the region's backward gives the same bits for a packed copy
+    of a saved view as for the view: a view with gaps (one half of a GLU's input) then comes back
+    as its rows packed, with other strides, instead of spread over a new buffer of its span on
+    the compute stream (Note [10] of offload.copy_queue). True of an activation's backward in
+    torch's CUDA kernels, which compute each element alike whatever the strides; not of the
+    CPU's SiLU, whose vectorized loop and scalar tail differ, nor of a kernel that reads a
+    layout from strides (Transformer Engine's fused attention).
     """
 
-    __slots__ = ("name", "tensors", "_group", "_manager")
+    __slots__ = ("name", "tensors", "packed_views", "_group", "_manager")
 
-    def __init__(self, name: str, *tensors: torch.Tensor) -> None:
+    def __init__(self, name: str, *tensors: torch.Tensor, packed_views: bool = False) -> None:
         self.name = check_str(name, "a group name")
         self.tensors = tensors
+        if not isinstance(packed_views, bool):
+            raise OffloadTypeError(f"offload: group()'s packed_views must be a bool, got {packed_views!r}")
+        self.packed_views = packed_views
         self._group = None
         self._manager = None
 
@@ -128,7 +139,7 @@ class group:
 
     def _open(self) -> None:
         self._manager = manager = PipelineOffloadManager.get()
-        self._group = g = manager.open_group(self.name)
+        self._group = g = manager.open_group(self.name, self.packed_views)
         if g is not None and self.tensors:
             _signal_backward_done(g, self.tensors)
 

@@ -24,14 +24,13 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 import torch
 
 class Rows(NamedTuple):
-    """``count`` rows of ``width`` elements, ``dst_pitch`` and ``src_pitch`` elements apart (a
-    saved view with gaps, Note [10] of `offload.copy_queue`: packed on the host, one pitch
-    equal to ``width``)."""
+    """``count`` rows of ``width`` elements, ``pitch`` elements apart in the source and packed
+    in the destination: a saved view with gaps on its way to the host (Note [10] of
+    `offload.copy_queue`; it comes back packed, as one run)."""
 
     count: int
     width: int
-    dst_pitch: int
-    src_pitch: int
+    pitch: int
 
 
 CopyJob = tuple[torch.Tensor, torch.Tensor, int, "Rows | None"]
@@ -62,8 +61,8 @@ def _job_views(dst: torch.Tensor, src: torch.Tensor, start: int,
     if rows is None:
         return dst, _span(src, start, dst.numel())
     shape = (rows.count, rows.width)
-    return (dst.as_strided(shape, (rows.dst_pitch, 1), dst.storage_offset()),
-            src.as_strided(shape, (rows.src_pitch, 1), start))
+    return (dst.as_strided(shape, (rows.width, 1), dst.storage_offset()),
+            src.as_strided(shape, (rows.pitch, 1), start))
 
 
 _set_fills_new_memory = torch._C._set_deterministic_fill_uninitialized_memory
@@ -248,14 +247,14 @@ class CudaStreams:
         ``chunk_bytes``, or one copy per row where a pitch is past its largest."""
         memcpy = self._memcpy
         row_bytes = rows.width * itemsize
-        dst_pitch, src_pitch = rows.dst_pitch * itemsize, rows.src_pitch * itemsize
-        if max(dst_pitch, src_pitch) > _MAX_PITCH_BYTES:
+        src_pitch = rows.pitch * itemsize
+        if src_pitch > _MAX_PITCH_BYTES:
             for row in range(rows.count):
-                memcpy(to + row * dst_pitch, frm + row * src_pitch, row_bytes, handle)
+                memcpy(to + row * row_bytes, frm + row * src_pitch, row_bytes, handle)
             return
         step = max(1, chunk_bytes // row_bytes) if 0 < chunk_bytes < rows.count * row_bytes else rows.count
         for first in range(0, rows.count, step):
-            memcpy.rows(to + first * dst_pitch, dst_pitch, frm + first * src_pitch, src_pitch, row_bytes,
+            memcpy.rows(to + first * row_bytes, row_bytes, frm + first * src_pitch, src_pitch, row_bytes,
                         min(step, rows.count - first), handle)
 
     def copy_program(self, stream: torch.cuda.Stream, jobs: Sequence[CopyJob], chunk_bytes: int,

@@ -243,11 +243,12 @@ class _SeenStrides(torch.autograd.Function):
         return grad * 2 + x * 0
 
 
-def _glu_step(offloading: bool, saved: str, chunk_bytes_rows: int = 0):
+def _glu_step(offloading: bool, saved: str, chunk_bytes_rows: int = 0, packed_views: bool = False):
     """A GLU over ``fc1 = x @ w`` (64 rows of 2·24 columns): ``saved`` says which views of
     ``fc1`` the backward keeps: ``"gate"`` (the activated half alone, the linear half through an
     addition, as Megatron's experts), ``"both"`` (both halves), ``"interleaved"`` (three
-    interleaved views, q, k, v-like, by `_SeenStrides`). Returns the gradients."""
+    interleaved views, q, k, v-like, by `_SeenStrides`); ``packed_views`` is the first group's.
+    Returns the gradients."""
     torch.manual_seed(3)
     x = torch.randn(64, 16, requires_grad=True)
     w = torch.randn(16, 48, requires_grad=True)
@@ -266,7 +267,7 @@ def _glu_step(offloading: bool, saved: str, chunk_bytes_rows: int = 0):
     def forward():
         if not offloading:
             return body(x * 1.0).sum()
-        with offload.group("glu", x * 1.0) as h_in:
+        with offload.group("glu", x * 1.0, packed_views=packed_views) as h_in:
             y = body(h_in)
         with offload.group("glu", y) as y_in:  # a second group: the first one is offloaded
             return y_in.sum()
@@ -292,6 +293,28 @@ def test_a_lone_view_with_gaps_moves_only_its_rows(configure, chunk_bytes):
     # `lin + 0.0`; 64 rows of 24 floats each
     assert s.bytes_offloaded == 64 * 16 * 4 + 3 * 64 * 24 * 4 and s.bytes_reloaded == s.bytes_offloaded
     assert s.tensors_offloaded == 4
+
+
+@pytest.mark.parametrize("saved, strides", [("gate", [(24, 1)]), ("both", [(48, 1)])])
+def test_a_group_with_packed_views_gets_its_rows_packed(configure, monkeypatch, saved, strides):
+    """Note [10] of offload.copy_queue: a group opened with ``packed_views`` gets a view with
+    gaps back as its rows packed (contiguous strides), with no spread; ``_SeenStrides``'s
+    backward gives the same bits for it. Both halves saved: one record of the whole storage,
+    nothing packed, the view's own strides."""
+    ref = _glu_step(False, saved)
+    manager = configure(["glu"])
+    spread = []
+    monkeypatch.setattr(manager.copies, "spread", spread.append)
+    got = _glu_step(True, saved, packed_views=True)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert _SeenStrides.seen == strides and spread == []
+    s = offload.end_iteration().by_name["glu"]
+    assert s.bytes_reloaded == s.bytes_offloaded > 0
+
+
+def test_packed_views_must_be_a_bool():
+    with pytest.raises(OffloadTypeError, match="packed_views must be a bool"):
+        offload.group("glu", packed_views="yes")
 
 
 def test_a_lone_view_with_gaps_waits_for_its_backward_packed(configure):
@@ -667,7 +690,8 @@ def _record_engine_order(manager: Any, monkeypatch: Any) -> list[str]:
     order: list[str] = []
     monkeypatch.setattr(nv, "push", lambda label: order.append(label))
     real_open, real_sync = manager.open_group, manager.after_host_sync
-    monkeypatch.setattr(manager, "open_group", lambda name: order.append("open " + name) or real_open(name))
+    monkeypatch.setattr(manager, "open_group",
+                        lambda name, *args: order.append("open " + name) or real_open(name, *args))
     monkeypatch.setattr(manager, "after_host_sync", lambda: order.append("sync") or real_sync())
     return order
 
@@ -877,14 +901,11 @@ def test_host_copy_is_a_copy_of_the_span():
         got = torch.full((numel,), float("nan"), dtype=src.dtype)
         _host_copy(got, src, start, None, chunk_bytes)
         assert torch.equal(got, expected), (start, numel, chunk_bytes)
-    for chunk_bytes in (0, 8, 12, 1000):  # rows of 3 elements, 10 apart, from element 2 on, and back
-        got = torch.full((12,), float("nan"))
-        _host_copy(got, base, 2, Rows(4, 3, 3, 10), chunk_bytes)
-        assert torch.equal(got, base.view(4, 10)[:, 2:5].reshape(-1)), chunk_bytes
-        back = torch.full((10, 4), float("nan"))
-        _host_copy(back.view(-1), got, 0, Rows(4, 3, 10, 3), chunk_bytes)
-        assert torch.equal(back.view(-1)[:40].view(4, 10)[:, :3], base.view(4, 10)[:, 2:5]), chunk_bytes
-        assert back.view(4, 10)[:, 3:].isnan().all()  # the gaps are left as they were
+    for chunk_bytes in (0, 8, 12, 1000):  # rows of 3 elements, 10 apart, from element 2 on, packed
+        got = torch.full((14,), float("nan"))
+        _host_copy(got[:12], base, 2, Rows(4, 3, 10), chunk_bytes)
+        assert torch.equal(got[:12], base.view(4, 10)[:, 2:5].reshape(-1)), chunk_bytes
+        assert got[12:].isnan().all(), chunk_bytes  # nothing written past the rows
     shrunk = torch.arange(8, dtype=torch.float32)
     shrunk.untyped_storage().resize_(0)
     with pytest.raises(RuntimeError, match="out of bounds"):

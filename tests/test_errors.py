@@ -248,7 +248,7 @@ def test_overlap_without_a_command_says_which(capsys):
 
     with pytest.raises(SystemExit) as info:
         overlap.main([])
-    assert info.value.code == 2 and "{record,report}" in capsys.readouterr().err
+    assert info.value.code == 2 and "{record,report,kernels}" in capsys.readouterr().err
 
 
 CUDA_ONLY_SCRIPTS = {

@@ -548,6 +548,27 @@ def synthetic_timeline() -> Timeline:
     return tl
 
 
+def test_kernel_difference_compares_the_compute_streams_by_kernel_name(tmp_path, capsys):
+    """``overlap kernels A B``: the compute stream's kernels of two traces by name, the largest
+    difference first; other streams and copies are left out."""
+    a, b = synthetic_timeline(), synthetic_timeline()
+    a.ops.append(GpuOp(300, 330, 7, "kernel", "spread", 4))
+    a.ops.append(GpuOp(0, 50, 9, "kernel", "side", 5))  # another stream's, less kernel time
+    b.ops[1] = GpuOp(100, 190, 7, "kernel", "k1", 2)
+    assert overlap.compute_kernels(a) == {"k0": (1, pytest.approx(0.1)), "k1": (1, pytest.approx(0.1)),
+                                          "k2": (1, pytest.approx(0.04)), "spread": (1, pytest.approx(0.03))}
+    text = overlap.kernel_difference(a, b)
+    lines = [line for line in text.splitlines() if line.startswith("| +") or line.startswith("| -")]
+    assert lines[0].startswith("| +0.03 | 1 | 0.03 | 0 | 0.00 | `spread`")
+    assert lines[1].startswith("| +0.01 | 1 | 0.10 | 1 | 0.09 | `k1`")
+    assert "A - B +0.04 ms" in text
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps({"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "k", "ts": 0, "dur": 5, "args": {"stream": 7, "correlation": 1}}]}))
+    assert overlap.main(["kernels", str(path), str(path)]) == 0
+    assert "A - B +0.00 ms" in capsys.readouterr().out
+
+
 def test_overlap_arithmetic_on_a_known_timeline():
     r = overlap.analyze(synthetic_timeline(), tolerance_us=10)
     g = {(x["direction"], x["name"]): x for x in r["groups"]}

@@ -221,7 +221,12 @@ def _act_region_hooks(name: str | None, mlp: nn.Module, fc1: nn.Module, fc2: nn.
             region.__enter__()
             open_regions.append(region)
             return None
-        region = offload.group(name, first)
+        # The one view with gaps saved here is the GLU's activated half (Megatron's experts and
+        # unfused MLP compute ``act(x_glu) * (x_linear + offset)``), read only by the activation's
+        # backward: torch's CUDA kernels give it the same bits packed, so it comes back packed,
+        # as from Megatron's offloading, with no spread on the compute stream (Note [10] of
+        # offload.copy_queue). Not on the CPU, whose SiLU gives other bits for it packed.
+        region = offload.group(name, first, packed_views=first.is_cuda)
         marked = region.__enter__()
         open_regions.append(region)
         return (marked, *output[1:]) if isinstance(output, tuple) else marked

@@ -5,6 +5,7 @@
         --layers 8 --seq 4096 --steps 3 --out trace.json.gz
     python -m offload.tools.overlap report trace.json.gz --png timeline.png
     python -m offload.tools.overlap report profile.sqlite            # an nsys SQLite export
+    python -m offload.tools.overlap kernels a.json.gz b.json.gz      # whose compute stream did more
 
 The report gives, over the trace:
 
@@ -276,13 +277,7 @@ def record(argv: list[str]) -> int:
             torch.cuda.synchronize()
     handle.remove()
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    raw = out.with_suffix("") if out.suffix == ".gz" else out
-    prof.export_chrome_trace(str(raw))
-    if out.suffix == ".gz":
-        with open(raw, "rb") as f, gzip.open(out, "wb") as g:
-            shutil.copyfileobj(f, g)
-        raw.unlink()
+    export_trace(prof, out)
     summed: dict[str, dict[str, float]] = {}
     for s in stats:
         for n, g in s["by_name"].items():
@@ -293,6 +288,18 @@ def record(argv: list[str]) -> int:
                                           "per_step": stats, "by_name": summed})
     print(f"trace: {out}; engine statistics: {out}.stats.json", file=sys.stderr)
     return 0
+
+
+def export_trace(prof: Any, out: Path) -> None:
+    """Write a ``torch.profiler`` profile's chrome trace to ``out`` (``.json``, or gzipped where
+    it ends in ``.gz``), the form `report` reads."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    raw = out.with_suffix("") if out.suffix == ".gz" else out
+    prof.export_chrome_trace(str(raw))
+    if out.suffix == ".gz":
+        with open(raw, "rb") as f, gzip.open(out, "wb") as g:
+            shutil.copyfileobj(f, g)
+        raw.unlink()
 
 
 def report(argv: list[str]) -> int:
@@ -320,13 +327,56 @@ def report(argv: list[str]) -> int:
     return 0
 
 
+def compute_kernels(tl: Timeline, width: int = 160) -> dict[str, tuple[int, float]]:
+    """Per kernel name (its first ``width`` characters): how many ran on the compute stream and
+    their milliseconds."""
+    main = compute_stream(tl)
+    out: dict[str, tuple[int, float]] = {}
+    for op in tl.ops:
+        if op.stream == main and op.kind == "kernel":
+            count, ms = out.get(op.name[:width], (0, 0.0))
+            out[op.name[:width]] = (count + 1, ms + op.dur / 1e3)
+    return out
+
+
+def kernel_difference(a: Timeline, b: Timeline, top: int = 20) -> str:
+    """A table of the compute stream's kernels of ``a`` against ``b``, the ``top`` names whose
+    time differs most first: where one run's compute stream did more work than the other's
+    (a copy kernel, a kernel on other strides)."""
+    ka, kb = compute_kernels(a), compute_kernels(b)
+    total_a, total_b = (sum(ms for _, ms in k.values()) for k in (ka, kb))
+    rows = []
+    for name in sorted(set(ka) | set(kb), key=lambda n: -abs(ka.get(n, (0, 0.0))[1] - kb.get(n, (0, 0.0))[1])):
+        (ca, ta), (cb, tb) = ka.get(name, (0, 0.0)), kb.get(name, (0, 0.0))
+        rows.append([f"{ta - tb:+.2f}", str(ca), f"{ta:.2f}", str(cb), f"{tb:.2f}", f"`{name}`"])
+    head = (f"compute-stream kernels: A {total_a:.2f} ms ({a.source}), B {total_b:.2f} ms ({b.source}), "
+            f"A - B {total_a - total_b:+.2f} ms")
+    return head + "\n\n" + md_table(["A - B ms", "A count", "A ms", "B count", "B ms", "kernel"], rows[:top], "rrrrrl")
+
+
+def kernels(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m offload.tools.overlap kernels")
+    p.add_argument("a", help="a trace, as for 'report'")
+    p.add_argument("b", help="the trace to compare it with")
+    p.add_argument("--top", type=int, default=20, help="kernel names shown")
+    args = p.parse_args(argv)
+    try:
+        a, b = load(args.a), load(args.b)
+        a.source, b.source = args.a, args.b
+        print(kernel_difference(a, b, args.top))
+    except ValueError as e:
+        p.error(str(e))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"record": record, "report": report}
+    commands = {"record": record, "report": report, "kernels": kernels}
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog="'COMMAND --help' lists a command's options.")
     p.add_argument("command", choices=commands, help="record: train under torch.profiler and write a trace; "
-                                                     "report: analyze a trace")
+                                                     "report: analyze a trace; kernels: compare two traces' "
+                                                     "compute-stream kernels")
     command = p.parse_args(argv[:1]).command
     return commands[command](argv[1:])
 

@@ -528,6 +528,24 @@ def test_example_alternate_baseline_suspends_every_other_measured_step(tmp_path)
         assert rank["peak_reserved_bytes"] is None and rank["alternate_baseline"]["peak_reserved_bytes"] is None
 
 
+def test_example_profile_trace_records_the_last_step_untimed(tmp_path):
+    """``--profile-trace``: the last step runs under torch.profiler with the engine's ranges
+    (named as in nsys), left out of the step times; training is as without it."""
+    import gzip
+    import json
+
+    argv = ["--model", "gpt", "--steps", "4", "--offload-modules=core_attn"]
+    ref = _run_example(tmp_path, "ref", 1, argv)
+    got = _run_example(tmp_path, "traced", 1, [*argv, "--profile-trace", str(tmp_path / "trace")])
+    assert ref["ok"] and got["ok"]
+    assert ref["loss_hex"] == got["loss_hex"] and ref["param_sha256"] == got["param_sha256"]
+    assert len(ref["per_rank"][0]["step_time_ms"]) == 4 and len(got["per_rank"][0]["step_time_ms"]) == 3
+    with gzip.open(tmp_path / "trace" / "trace_rank0.json.gz", "rt") as f:
+        names = {e.get("name", "") for e in json.load(f)["traceEvents"]}
+    assert any(n.startswith("offload/core_attn/") for n in names)
+    assert any(n.startswith("reload/core_attn/") for n in names)
+
+
 def test_sequential_expert_fc1_is_one_group_per_layer_and_copies_all_routed_tokens(mg):
     """Each expert's fc1 saves a slice of the routed tokens; the layer's expert_fc1 group copies
     every slice once the experts are done, and nothing of the activations or fc2s."""
@@ -558,7 +576,8 @@ def test_copies_are_issued_after_each_moe_layers_dispatcher_sync(mg, monkeypatch
     monkeypatch.setattr(nv, "push", lambda label: order.append(label))
     real_sync, real_open = manager.after_host_sync, manager.open_group
     monkeypatch.setattr(manager, "after_host_sync", lambda: order.append("sync") or real_sync())
-    monkeypatch.setattr(manager, "open_group", lambda name: order.append("open " + name) or real_open(name))
+    monkeypatch.setattr(manager, "open_group",
+                        lambda name, *args: order.append("open " + name) or real_open(name, *args))
     fb = handle.wrap(fb_no_pipelining())
 
     def step(**kwargs):

@@ -308,6 +308,16 @@ def test_example_peak_trace_is_refused_where_it_cannot_record(example, capsys, a
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "3", "--warmup-steps", "2"], "it needs at least 2 measured steps"),
+    (["--device", "cuda", "--peak-trace", "x"], "--profile-trace and --peak-trace both record the last step"),
+], ids=["one-step", "with-peak-trace"])
+def test_example_profile_trace_is_refused_where_it_cannot_record(example, capsys, argv, message, tmp_path):
+    with pytest.raises(SystemExit):
+        example.parse_args(["--device", "cpu", *argv, "--profile-trace", str(tmp_path)])
+    assert message in capsys.readouterr().err
+
+
 def test_example_config_for_megatrons_own_offloading_fp8_recompute_and_graphs(example):
     args = example.parse_args(["--model", "dsv3_proxy", "--transformer-impl", "local", "--device", "cpu",
                                "--offload-modules=expert_fc1,moe_act", "--recompute-granularity", "full"])

@@ -181,6 +181,29 @@ def test_a_dispatcher_without_host_syncs_offloads_bitwise_and_never_reports_a_sy
     assert stats.by_name["moe_act"].bytes_offloaded > 0 and stats.by_name["expert_fc1"].bytes_offloaded > 0
 
 
+def test_moe_act_gets_the_glus_activated_half_back_packed_and_bitwise(mg, monkeypatch):
+    """Note [10] of offload.copy_queue: on CUDA the integration opens ``moe_act`` with
+    ``packed_views``: TEGroupedMLP's GLU saves its activated half alone, a view with gaps, which
+    comes back packed, never spread, and training is bitwise as without offloading."""
+    from offload import manager as manager_module
+    from offload.copy_queue import CopyQueue
+
+    rows, spread = [], []
+    gapped = manager_module.gapped_rows
+
+    def counted(size, stride):
+        found = gapped(size, stride)
+        if found is not None:
+            rows.append(found)
+        return found
+
+    monkeypatch.setattr(manager_module, "gapped_rows", counted)
+    monkeypatch.setattr(CopyQueue, "spread", lambda self, rec: spread.append(rec))
+    stats = bitwise(mg, lambda: build(moe=True, capacity=True), "moe_act")
+    assert rows and spread == []
+    assert stats.by_name["moe_act"].bytes_reloaded == stats.by_name["moe_act"].bytes_offloaded > 0
+
+
 def test_mla_te_spec_bitwise(mg):
     stats = bitwise(mg, lambda: build(moe=True, mla=True), "attn_norm,qkv_linear,core_attn,expert_fc1,moe_act")
     assert stats.by_name["attn_norm"].bytes_offloaded + stats.by_name["attn_norm"].bytes_held_elsewhere > 0
