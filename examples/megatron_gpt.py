@@ -239,18 +239,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.steps - args.warmup_steps < 2:
             p.error(f"--alternate-baseline needs at least 2 measured steps (--steps {args.steps}, --warmup-steps "
                     f"{args.warmup_steps})")
-    if args.peak_trace is not None:
-        if args.device != "cuda":
-            p.error("--peak-trace records the CUDA allocator's history: it needs --device cuda")
-        if args.steps - args.warmup_steps < 2:
-            p.error(f"--peak-trace leaves its step out of the times: it needs at least 2 measured steps "
-                    f"(--steps {args.steps}, --warmup-steps {args.warmup_steps})")
-    if args.profile_trace is not None:
-        if args.peak_trace is not None:
-            p.error("--profile-trace and --peak-trace both record the last step: give one")
-        if args.steps - args.warmup_steps < 2:
-            p.error(f"--profile-trace leaves its step out of the times: it needs at least 2 measured steps "
-                    f"(--steps {args.steps}, --warmup-steps {args.warmup_steps})")
+    if args.peak_trace is not None and args.device != "cuda":
+        p.error("--peak-trace records the CUDA allocator's history: it needs --device cuda")
+    traces = [flag for flag, value in (("--peak-trace", args.peak_trace), ("--profile-trace", args.profile_trace))
+              if value is not None]
+    if len(traces) > 1:
+        p.error("--profile-trace and --peak-trace both record the last step: give one")
+    if traces and args.steps - args.warmup_steps < 2:
+        p.error(f"{traces[0]} leaves its step out of the times: it needs at least 2 measured steps "
+                f"(--steps {args.steps}, --warmup-steps {args.warmup_steps})")
     if args.device_memory_gib is not None:
         if args.device != "cuda":
             p.error("--device-memory-gib caps the CUDA caching allocator: it needs --device cuda")
