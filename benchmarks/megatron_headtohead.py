@@ -105,6 +105,17 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
 )}
 
 
+def run_key(workload: str, system: str, cuda_graph: str) -> str:
+    """The stem of a job's per-run files, from the names its record gives: workload (with its
+    ``/<tag>``), system and CUDA-graph label."""
+    return f"{workload.replace('/', '-')}-{system}-{cuda_graph.replace(':', '-').replace('+', '-')}"
+
+
+def run_path(runs_dir: Path, key: str, run: str, round_: int = 1) -> Path:
+    """Where round ``round_`` of a job's ``run`` keeps its JSON (`--repeats`: ``-r<k>`` after the first)."""
+    return runs_dir / f"{key}-{run}{'' if round_ == 1 else f'-r{round_}'}.json"
+
+
 def graph_label(graph: tuple[str, str] | None) -> str:
     """How records name a CUDA-graph mode (as `offload.integrations.megatron.CudaGraphMode.label`)."""
     if graph is None:
@@ -137,8 +148,7 @@ class Job:
 
     @property
     def key(self) -> str:
-        graph = graph_label(self.graph).replace(":", "-").replace("+", "-")
-        return f"{self.name.replace('/', '-')}-{self.system}-{graph}"
+        return run_key(self.name, self.system, graph_label(self.graph))
 
     @property
     def fewest_warmup_steps(self) -> int:
@@ -238,22 +248,32 @@ def build_record(job: Job, baselines: list[dict], offloaded: list[dict], command
     """The job's record (`RECORD_FIELDS`) from its runs' JSON, one per round (`--repeats`): step
     time and peak against the baseline's, losses against the ``references`` where the job has
     them (`Job.runs`), round by round."""
-    step = pooled_step_ms(offloaded, job.warmup_steps)
-    base_step = pooled_step_ms(baselines, job.warmup_steps)
-    compared = baselines if references is None else references
+    measured = measured_fields(baselines, offloaded, references, job.warmup_steps)
     return {
         "workload": job.name,
         "system": job.system,
         "cuda_graph": offloaded[0].get("cuda_graph") or graph_label(job.graph),
         "modules": job.workload.module_list,
+        **measured,
+        "device": offloaded[0].get("device"),
+        "command": command,
+    }
+
+
+def measured_fields(baselines: list[dict], offloaded: list[dict], references: list[dict] | None,
+                    warmup_steps: int) -> dict:
+    """The record's measured fields (`RECORD_FIELDS` from ``step_ms`` to ``losses_bitwise``) from
+    its runs' JSON, one per round."""
+    step = pooled_step_ms(offloaded, warmup_steps)
+    base_step = pooled_step_ms(baselines, warmup_steps)
+    compared = baselines if references is None else references
+    return {
         "step_ms": None if step is None else round(step, 3),
         "peak_bytes": _highest([peak_bytes(run) for run in offloaded]),
         "baseline_step_ms": None if base_step is None else round(base_step, 3),
         "baseline_peak_bytes": _highest([peak_bytes(run) for run in baselines]),
         "losses_bitwise": len(compared) == len(offloaded) and all(
             losses_bitwise(ref, off) for ref, off in zip(compared, offloaded)),
-        "device": offloaded[0].get("device"),
-        "command": command,
     }
 
 
@@ -300,7 +320,7 @@ def run_job(job: Job, example: list[str], runs_dir: Path, timeout: float, reuse:
     results: dict[str, list[dict]] = {run: [] for run in job.runs}
     for round_ in range(1, repeats + 1):
         for run in job.runs:
-            out = runs_dir / f"{job.key}-{run}{'' if round_ == 1 else f'-r{round_}'}.json"
+            out = run_path(runs_dir, job.key, run, round_)
             cached = json.loads(out.read_text()) if reuse and out.exists() else None
             if cached is not None and cached.get("ok"):
                 results[run].append(cached)

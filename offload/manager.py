@@ -354,10 +354,11 @@ class PipelineOffloadManager:
                 )
             self.reload(group, prefetch=False)
         self.copies.wait_reloaded(rec.reload_group)  # Note [4] of offload.copy_queue
-        if rec.reloaded_packed and group.packed_views:  # Note [10] of offload.copy_queue
+        packed = rec.reloaded_packed
+        if packed and group.packed_views:  # Note [10] of offload.copy_queue
             out = rec.dev.view(h.size)
         else:
-            if rec.reloaded_packed:
+            if packed:
                 self.copies.spread(rec)
             out = rec.dev.as_strided(h.size, h.stride, h.offset - rec.start)
         rec.unpacked += 1
