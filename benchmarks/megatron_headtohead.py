@@ -18,7 +18,10 @@ all records replaces the one between the ``headtohead`` markers of docs/megatron
 With ``--repeats N`` a job's runs go N times, alternating (baseline, offloading, baseline, ...),
 each in a process of its own: the record's step times are the medians of all the rounds'
 measured steps together (a host-paced step varies between processes by more than a few percent),
-its peaks the highest, and its losses bitwise only if every round's are. ``--warmup-steps N``
+its peaks the highest, and its losses bitwise only if every round's are. Rounds too long for one
+sitting (a device call) run one at a time with ``--round K`` (files ``-r<K>``, a record of that
+round alone); ``--reuse --repeats N`` over a runs dir holding all N then pools them, running
+nothing. ``--warmup-steps N``
 leaves each run's first N steps out of its times and peaks (default 2, or 6 with CUDA graphs).
 Variants (FP8, pipeline parallelism) go through ``--extra`` and get a ``--tag``:
 
@@ -313,12 +316,12 @@ def run_example(example: list[str], args: list[str], out: Path, timeout: float) 
 
 
 def run_job(job: Job, example: list[str], runs_dir: Path, timeout: float, reuse: bool,
-            repeats: int = 1) -> tuple[dict | None, str | None]:
-    """Run (or, with ``reuse``, read back) a job's runs (`Job.runs`), ``repeats`` rounds of them
-    (the first round's files are ``<key>-<run>.json``, round k's ``<key>-<run>-r<k>.json``);
-    (record, failure)."""
+            repeats: int = 1, only_round: int | None = None) -> tuple[dict | None, str | None]:
+    """Run (or, with ``reuse``, read back) a job's runs (`Job.runs`), ``repeats`` rounds of them,
+    or round ``only_round`` alone (the first round's files are ``<key>-<run>.json``, round k's
+    ``<key>-<run>-r<k>.json``); (record, failure)."""
     results: dict[str, list[dict]] = {run: [] for run in job.runs}
-    for round_ in range(1, repeats + 1):
+    for round_ in [only_round] if only_round else range(1, repeats + 1):
         for run in job.runs:
             out = run_path(runs_dir, job.key, run, round_)
             cached = json.loads(out.read_text()) if reuse and out.exists() else None
@@ -397,6 +400,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds of each job's runs, alternating, each run in its own process; the record pools them")
+    p.add_argument("--round", type=int, default=None, metavar="K",
+                   help="run round K of --repeats alone (its files -rK): rounds over several sittings, "
+                        "pooled afterwards by --reuse --repeats N")
     p.add_argument("--runs-dir", type=Path, default=ROOT / "docs/results/megatron/headtohead_runs")
     p.add_argument("--out", type=Path, default=ROOT / "docs/results/megatron/headtohead.json")
     p.add_argument("--markdown", type=Path, default=ROOT / "docs/megatron.md",
@@ -411,6 +417,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"unknown workload or system: {', '.join(unknown)}")
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.round is not None and (args.round < 1 or args.repeats > 1):
+        p.error(f"--round {args.round}: give one round, at least 1, without --repeats (which pools them afterwards)")
     if args.modules:
         if not args.tag:
             p.error(MODULES_NEED_A_TAG)
@@ -472,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     records, failures = [], []
     for job in jobs:
         print(f"{job.key}:", file=sys.stderr, flush=True)
-        record, failure = run_job(job, example, args.runs_dir, args.timeout, args.reuse, args.repeats)
+        record, failure = run_job(job, example, args.runs_dir, args.timeout, args.reuse, args.repeats, args.round)
         if record is not None:
             records.append(record)
         else:

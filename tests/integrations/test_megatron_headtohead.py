@@ -270,6 +270,43 @@ def test_a_failed_run_exits_1_and_writes_no_record(h2h, tmp_path, capsys):
     assert "1 of 1 job(s) failed" in capsys.readouterr().err
 
 
+FAKE_EXAMPLE = """
+import json, re, sys
+out = sys.argv[sys.argv.index("--json") + 1]
+round_ = int(re.search(r"-r(\\d+)\\.json$", out).group(1)) if re.search(r"-r\\d+\\.json$", out) else 1
+step = 100.0 * round_ + ("--offload-modules=qkv_linear,core_attn,attn_proj" in sys.argv)
+json.dump({"ok": True, "loss_hex": [["0x1p+0"]], "device": "fake", "cuda_graph": "none",
+           "per_rank": [{"peak_memory_bytes": 1 << 30, "step_time_ms": [900.0, 900.0, step, step]}]}, open(out, "w"))
+"""
+
+
+def test_rounds_run_one_sitting_at_a_time_and_pool_afterwards(h2h, tmp_path):
+    """``--round K`` runs round K alone into ``-rK`` files (a record of that round); ``--reuse
+    --repeats N`` then pools the N rounds from the files, running nothing; a round that is
+    not one, or one given with ``--repeats``, is refused before any run."""
+    fake = tmp_path / "fake_example.py"
+    fake.write_text(FAKE_EXAMPLE)
+    runs, out = tmp_path / "runs", tmp_path / "h2h.json"
+    common = ["--workloads", "dense_16k", "--systems", "offload", "--graphs", "none", "--measured-steps", "2",
+              "--runs-dir", str(runs), "--out", str(out), "--markdown", "-"]
+    assert h2h.main([*common, "--example", f"{sys.executable} {fake}", "--round", "2"]) == 0
+    assert sorted(p.name for p in runs.glob("*.json")) == [
+        "dense_16k-offload-none-baseline-r2.json", "dense_16k-offload-none-offload-r2.json"]
+    [record] = json.loads(out.read_text())
+    assert (record["baseline_step_ms"], record["step_ms"]) == (200.0, 201.0)
+    assert h2h.main([*common, "--example", f"{sys.executable} {fake}", "--round", "1"]) == 0
+    [record] = json.loads(out.read_text())
+    assert (record["baseline_step_ms"], record["step_ms"]) == (100.0, 101.0)
+    failing = f"{sys.executable} -c 'import sys; sys.exit(3)'"  # nothing may run now
+    assert h2h.main([*common, "--example", failing, "--reuse", "--repeats", "2"]) == 0
+    [record] = json.loads(out.read_text())
+    assert (record["baseline_step_ms"], record["step_ms"]) == (150.0, 151.0)
+    for bad in (["--round", "0"], ["--round", "2", "--repeats", "2"]):
+        with pytest.raises(SystemExit) as exc:
+            h2h.parse_args([*common, *bad])
+        assert exc.value.code == 2
+
+
 def test_one_job_end_to_end_on_the_cpu(h2h, tmp_path):
     """Two rounds (``--repeats 2``) of one job through the example on the CPU: four runs, the
     record pooled from them."""
