@@ -308,19 +308,17 @@ def test_rounds_run_one_sitting_at_a_time_and_pool_afterwards(h2h, tmp_path):
 
 
 def test_one_job_end_to_end_on_the_cpu(h2h, tmp_path):
-    """Two rounds (``--repeats 2``) of one job through the example on the CPU: four runs, the
-    record pooled from them."""
+    """One job through the example on the CPU: its two runs, each a process of its own, and the
+    record from them (rounds: `test_rounds_run_one_sitting_at_a_time_and_pool_afterwards`)."""
     out, doc, runs = tmp_path / "h2h.json", tmp_path / "megatron.md", tmp_path / "runs"
     doc.write_text(f"{h2h.MARKERS[0]}\n{h2h.MARKERS[1]}\n")
     rc = h2h.main(["--workloads", "dense_16k", "--systems", "offload", "--graphs", "none", "--measured-steps", "2",
-                   "--extra", TINY, "--repeats", "2",
-                   "--example", CPU_EXAMPLE, "--runs-dir", str(runs), "--out", str(out),
+                   "--extra", TINY, "--example", CPU_EXAMPLE, "--runs-dir", str(runs), "--out", str(out),
                    "--markdown", str(doc)])
     assert rc == 0
     assert sorted(p.name for p in runs.glob("*.json")) == [
-        "dense_16k-offload-none-baseline-r2.json", "dense_16k-offload-none-baseline.json",
-        "dense_16k-offload-none-offload-r2.json", "dense_16k-offload-none-offload.json"]
-    rounds = [json.loads((runs / f"dense_16k-offload-none-offload{s}.json").read_text()) for s in ("", "-r2")]
+        "dense_16k-offload-none-baseline.json", "dense_16k-offload-none-offload.json"]
+    rounds = [json.loads((runs / "dense_16k-offload-none-offload.json").read_text())]
     [record] = json.loads(out.read_text())
     assert record["step_ms"] == round(h2h.pooled_step_ms(rounds, 2), 3)
     assert record["workload"] == "dense_16k" and record["system"] == "offload" and record["cuda_graph"] == "none"
