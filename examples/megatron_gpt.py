@@ -49,6 +49,8 @@ A/trace_rank0.json.gz B/trace_rank0.json.gz`` what one run's compute stream ran 
 ``--device-memory-gib N`` lets the caching allocator hold at most N GiB: runs then compare at
 equal device memory, which ``max_memory_allocated`` alone does not show where an offloading frees
 tensors its copies still read (``record_stream``; the allocator takes new memory meanwhile).
+``--expandable-segments`` lets the allocator grow segments in place, which a deterministic fused
+attention backward at long sequences needs (its workspace is heads x sequence^2 x 2 bytes).
 ``--deterministic`` (the default) makes a run reproducible, which such a comparison needs on a
 GPU (and sets ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` for Transformer Engine).
 
@@ -208,6 +210,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "a block freed while a copy still reads it (record_stream) counts until the copy is done, "
                         "so two systems compare at equal device memory; past it the allocator synchronizes, "
                         "frees its cache and retries (alloc_retries), then raises out of memory")
+    p.add_argument("--expandable-segments", action="store_true",
+                   help="let the caching allocator grow segments in place (expandable_segments:True), so a "
+                        "large request reuses what freed blocks leave: Transformer Engine's deterministic fused "
+                        "attention backward asks for heads x sequence^2 x 2 bytes (64 GiB at 128 heads and "
+                        "16384 tokens), which otherwise fails with tens of GiB reserved but unallocated")
     p.add_argument("--alternate-baseline", action="store_true",
                    help="measured steps alternate between offloading and none (offload.suspended), the last "
                         "one offloading: both step times and peaks come from this one process")
@@ -253,6 +260,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error("--device-memory-gib caps the CUDA caching allocator: it needs --device cuda")
         if not args.device_memory_gib > 0:
             p.error(f"--device-memory-gib {args.device_memory_gib}: give a positive number of GiB")
+    if args.expandable_segments and args.device != "cuda":
+        p.error("--expandable-segments sets the CUDA caching allocator: it needs --device cuda")
     try:  # the offload flags, before any process group or model exists
         opts = megatron_offload.Options.from_args(args)
         if opts.auto:
@@ -307,6 +316,8 @@ def init_distributed(args: argparse.Namespace) -> int:
 
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        if args.expandable_segments:  # before the first allocation: every segment is expandable
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
         if args.device_memory_gib is not None:
             cap_device_memory(args.device_memory_gib)
     if not torch.distributed.is_initialized():

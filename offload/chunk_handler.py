@@ -118,10 +118,10 @@ class ChunkOffloadHandler:
         self.invocations[name] = layer + 1
         return layer
 
-    def new_group(self, name: str, layer: int) -> OffloadGroup:
+    def new_group(self, name: str, layer: int, packed_views: bool = False) -> OffloadGroup:
         """Open the offload group of invocation ``layer`` of ``name``, linked to the previous
-        offloaded group of that name."""
-        group = OffloadGroup(name, layer, self, self.last_of_name.get(name), self.capture)
+        offloaded group of that name; ``packed_views`` as in `OffloadGroup`."""
+        group = OffloadGroup(name, layer, self, self.last_of_name.get(name), self.capture, packed_views)
         self.groups.append(group)
         self.last_of_name[name] = group
         return group

@@ -398,8 +398,8 @@ class CopyQueue:
         streams = self.streams
         current = streams.current()
         span = streams.empty(rec.end - rec.start, rec.dtype)
-        count = rec.numel // rec.width
-        span.as_strided((count, rec.width), (rec.pitch, 1)).copy_(rec.dev.view(count, rec.width))
+        count, width, pitch = rec.rows()
+        span.as_strided((count, width), (pitch, 1)).copy_(rec.dev.view(count, width))
         alloc = rec.reload_group.alloc_stream
         if alloc is not None and alloc is not current and not streams.is_capturing():
             spread = streams.event()

@@ -292,7 +292,7 @@ class OffloadGroup:
     )
 
     def __init__(self, name: str, layer: int, handler: "ChunkOffloadHandler", prev_same: "OffloadGroup | None",
-                 capture: Any) -> None:
+                 capture: Any, packed_views: bool = False) -> None:
         self.name = name
         self.layer = layer
         self.handler = handler
@@ -310,7 +310,7 @@ class OffloadGroup:
         # The streams that waited on ``h2d_done`` (rule 4); a reload gives the group its own set.
         self.waited: set[int] | frozenset[int] = _NO_WAITS
         self.capture = capture  # the capture session this group's forward was captured in
-        self.packed_views = False  # its views with gaps come back packed (Note [10] of offload.copy_queue)
+        self.packed_views = packed_views  # its views with gaps come back packed (Note [10] of offload.copy_queue)
 
     def __repr__(self) -> str:
         return f"OffloadGroup({self.label}, {self.state.name}, records={len(self.records)})"

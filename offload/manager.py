@@ -170,15 +170,12 @@ class PipelineOffloadManager:
         self._names_open.append(name)
         self.declared_names.add(name)
         try:
-            group = self._open_enabled(name)
+            return self._open_enabled(name, packed_views)
         except BaseException:  # the group never opened: leave no trace of it
             self._names_open.pop()
             raise
-        if group is not None:
-            group.packed_views = packed_views
-        return group
 
-    def _open_enabled(self, name: str) -> OffloadGroup | None:
+    def _open_enabled(self, name: str, packed_views: bool) -> OffloadGroup | None:
         if name not in self.config.enabled or not torch.is_grad_enabled() or self.suspended:
             return None
         if torch.compiler.is_compiling():
@@ -202,7 +199,7 @@ class PipelineOffloadManager:
         self._issue_decided(handler, name if handler.host_syncs else None)  # Notes [7], [9]
         if self.captures.in_region:
             handler.graphable = True
-        group = handler.new_group(name, layer)
+        group = handler.new_group(name, layer, packed_views)
         group.stream = self.streams.current()
         self._open.append(group)
         self._hooks.__enter__()

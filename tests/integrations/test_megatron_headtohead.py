@@ -510,10 +510,11 @@ def test_warmup_steps_replace_each_runs_warmup_and_graphed_runs_keep_their_captu
     (["--device", "cpu", "--device-memory-gib", "60"], "it needs --device cuda"),
     (["--device", "cuda", "--device-memory-gib", "0"], "give a positive number of GiB"),
     (["--device", "cuda", "--device-memory-gib", "-1"], "give a positive number of GiB"),
-], ids=["cpu", "zero", "negative"])
+    (["--device", "cpu", "--expandable-segments"], "sets the CUDA caching allocator: it needs --device cuda"),
+], ids=["cpu", "zero", "negative", "expandable-on-cpu"])
 def test_example_device_memory_cap_is_refused_where_it_cannot_hold(example, capsys, argv, message):
-    """The cap is the CUDA caching allocator's; a run on the CPU, or a cap of nothing, would
-    measure an uncapped run under a capped run's name."""
+    """The cap and expandable segments are the CUDA caching allocator's; a run on the CPU, or a
+    cap of nothing, would measure an unchanged allocator under a changed one's name."""
     with pytest.raises(SystemExit):
         example.parse_args(argv)
     assert message in capsys.readouterr().err
