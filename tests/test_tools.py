@@ -567,6 +567,9 @@ def test_kernel_difference_compares_the_compute_streams_by_kernel_name(tmp_path,
         {"ph": "X", "cat": "kernel", "name": "k", "ts": 0, "dur": 5, "args": {"stream": 7, "correlation": 1}}]}))
     assert overlap.main(["kernels", str(path), str(path)]) == 0
     assert "A - B +0.00 ms" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # a table of no rows, or of all but the last ones, says nothing
+        overlap.main(["kernels", str(path), str(path), "--top", "0"])
+    assert "--top 0: show at least 1 kernel name" in capsys.readouterr().err
 
 
 def test_overlap_arithmetic_on_a_known_timeline():

@@ -345,10 +345,10 @@ def kernel_difference(a: Timeline, b: Timeline, top: int = 20) -> str:
     (a copy kernel, a kernel on other strides)."""
     ka, kb = compute_kernels(a), compute_kernels(b)
     total_a, total_b = (sum(ms for _, ms in k.values()) for k in (ka, kb))
-    rows = []
-    for name in sorted(set(ka) | set(kb), key=lambda n: -abs(ka.get(n, (0, 0.0))[1] - kb.get(n, (0, 0.0))[1])):
-        (ca, ta), (cb, tb) = ka.get(name, (0, 0.0)), kb.get(name, (0, 0.0))
-        rows.append([f"{ta - tb:+.2f}", str(ca), f"{ta:.2f}", str(cb), f"{tb:.2f}", f"`{name}`"])
+    both = [(name, ka.get(name, (0, 0.0)), kb.get(name, (0, 0.0))) for name in set(ka) | set(kb)]
+    both.sort(key=lambda item: -abs(item[1][1] - item[2][1]))
+    rows = [[f"{ta - tb:+.2f}", str(ca), f"{ta:.2f}", str(cb), f"{tb:.2f}", f"`{name}`"]
+            for name, (ca, ta), (cb, tb) in both]
     head = (f"compute-stream kernels: A {total_a:.2f} ms ({a.source}), B {total_b:.2f} ms ({b.source}), "
             f"A - B {total_a - total_b:+.2f} ms")
     return head + "\n\n" + md_table(["A - B ms", "A count", "A ms", "B count", "B ms", "kernel"], rows[:top], "rrrrrl")
@@ -360,6 +360,8 @@ def kernels(argv: list[str]) -> int:
     p.add_argument("b", help="the trace to compare it with")
     p.add_argument("--top", type=int, default=20, help="kernel names shown")
     args = p.parse_args(argv)
+    if args.top < 1:
+        p.error(f"--top {args.top}: show at least 1 kernel name")
     try:
         a, b = load(args.a), load(args.b)
         a.source, b.source = args.a, args.b
