@@ -29,12 +29,14 @@ from .schedules import SchedulePlan, check_order
 @dataclass(frozen=True)
 class ForwardSlot:
     """Where one chunk forward sits: its microbatch, the key that sorts its handler into
-    backward order, the schedule phase it runs in and how many chunk forwards are live."""
+    backward order, the schedule phase it runs in, how many chunk forwards are live, and
+    whether its own backward comes next (``None``: no schedule says)."""
 
     microbatch: int
     sort_key: tuple
     phase: str
     live: int
+    own_backward_next: bool | None = None
 
 
 class BackwardOrder:
@@ -104,7 +106,7 @@ class BackwardOrder:
         self._live += 1
         if step is not None:
             return ForwardSlot(microbatch, (self.iteration, plan.backward_index[(chunk_id, microbatch)]),
-                               step.phase, step.live)
+                               step.phase, step.live, step.keeps_last_group)
         group = 0 if self._group_size is None else microbatch // self._group_size
         return ForwardSlot(microbatch, (self.iteration, group, -chunk_id, microbatch),
                            "steady" if self._backward_started else "warmup", self._live)

@@ -70,12 +70,14 @@ class ChunkOffloadHandler:
         capture: Any = None,
         on_idle: Callable[["ChunkOffloadHandler"], None] | None = None,
         stats: "StatsRecorder | None" = None,
+        own_backward_next: bool | None = None,
     ) -> None:
         self.chunk_id = chunk_id
         self.microbatch = microbatch
         self.iteration = iteration
         self.schedule_phase = phase
         self.live = live
+        self.own_backward_next = own_backward_next  # the schedule's word (`offload.backward_order.ForwardSlot`)
         self.sort_key = sort_key
         self.capture = capture  # the capture session this forward was captured in, if any
         self._on_idle = on_idle  # told when autograd has freed every handle of this handler

@@ -23,6 +23,17 @@ the compute stream on the copies of every name's second-to-last group as soon as
 issued, with no compute left to hide them. The first forward of a chunk cannot know its last
 group: its copies are waited for when its backward starts (or by the in-flight bound).
 
+Where the schedule is known (`set_schedule`) and says a chunk forward's own backward does not
+come next, that forward is over when the attached model's forward returns
+(`PipelineOffloadManager.model_forward_returned`): its last groups are offloaded there, not
+when the next chunk starts. In a pipeline's steady state the next chunk is another chunk's
+backward, whose start (`begin_backward`) makes the compute stream wait for those copies: they
+ran under the exchange between the stages and the modules of that backward before its first
+group, and their memory is freed before its first group's backward. Issued at that backward's
+start instead, they were still in flight at its next group, as the host runs ahead of the GPU:
+one layer's worth more at the step's peak (Megatron's dense GPT at 16K, PP=2 VPP=2: a fused
+attention backward's workspace in the first layer of a chunk's backward).
+
 With ``copies_into_backward`` (`offload.config.OffloadConfig`) the last group's close issues
 what is decided but waits for nothing: the copies run on under the forward's tail (the last
 layer's remaining modules, the head, the loss) and the backward's first modules, and the
@@ -68,7 +79,8 @@ class ChunkLifecycle:
         else:
             slot = self.order.next_forward(chunk_id, microbatch)
             handler = ChunkOffloadHandler(chunk_id, slot.microbatch, iteration, slot.phase, slot.live,
-                                          slot.sort_key, None, self._note_idle, self.stats)
+                                          slot.sort_key, None, self._note_idle, self.stats,
+                                          slot.own_backward_next)
             self.order.add(handler)
         self.stats.handlers += 1
         self.forward = handler

@@ -248,10 +248,17 @@ class PipelineOffloadManager:
         """The attached model's forward has returned (`offload.attach`'s forward hook): what it
         held in locals until then (Megatron's ``GPTModel.forward``: the embedding's output) gets
         a look now (Note [8] of offload.copy_queue), so its copies run under the loss head and
-        the backward's first modules and are freed when the backward begins. Does nothing
-        outside a chunk forward, inside a group, in a recompute, and under capture."""
+        the backward's first modules and are freed when the backward begins. Where the schedule
+        says the chunk's own backward does not come next, the forward is over here: its last
+        groups are offloaded now, not when the next chunk starts (`offload.chunk_lifecycle`,
+        the forward's end). Does nothing outside a chunk forward, inside a group, in a
+        recompute, and under capture."""
         handler = self._eager_chunk_forward()
-        if handler is not None and not self._names_open:
+        if handler is None or self._names_open:
+            return
+        if handler.own_backward_next is False:
+            self.chunks.end_forward(keep=False)
+        else:
             self.copies.offload_released(handler)
 
     def _eager_chunk_forward(self) -> ChunkOffloadHandler | None:
