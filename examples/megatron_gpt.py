@@ -46,6 +46,10 @@ the engine's copies named as in nsys, into ``DIR/trace_rank<R>.json.gz``: ``pyth
 offload.tools.overlap report DIR/trace_rank0.json.gz`` says where the compute stream stood idle
 and for which copies, for either system's run; ``python -m offload.tools.overlap kernels
 A/trace_rank0.json.gz B/trace_rank0.json.gz`` what one run's compute stream ran more of.
+``--decision-log DIR`` logs the last step's offloading decisions (left out the same way), each
+reload, group backward and first unpack with the allocator's counters and what the engine held
+then, and Megatron's reloads and commits for its own offloading (`offload.tools.decision_log`),
+into ``DIR/decisions_rank<R>.json``: which groups were on the GPU where the step peaked.
 ``--device-memory-gib N`` lets the caching allocator hold at most N GiB: runs then compare at
 equal device memory, which ``max_memory_allocated`` alone does not show where an offloading frees
 tensors its copies still read (``record_stream``; the allocator takes new memory meanwhile).
@@ -116,7 +120,7 @@ import offload  # noqa: E402
 from offload.errors import OffloadError  # noqa: E402
 from offload.integrations import megatron as megatron_offload  # noqa: E402
 from offload.integrations import megatron_plan  # noqa: E402
-from offload.tools import overlap, peak_live  # noqa: E402
+from offload.tools import decision_log, overlap, peak_live  # noqa: E402
 from offload.tools.report import write_json  # noqa: E402
 
 MLA_SIZES = dict(q_lora_rank=768, kv_lora_rank=256, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128)
@@ -205,6 +209,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-trace", type=Path, default=None, metavar="DIR",
                    help="record the last step (not timed) under torch.profiler into DIR/trace_rank<R>.json.gz "
                         "(offload.tools.overlap report)")
+    p.add_argument("--decision-log", type=Path, default=None, metavar="DIR",
+                   help="log the last step's offloading decisions (not timed) with the allocator's counters to "
+                        "DIR/decisions_rank<R>.json (offload.tools.decision_log)")
     p.add_argument("--device-memory-gib", type=float, default=None, metavar="GIB",
                    help="the most device memory the caching allocator may hold (set_per_process_memory_fraction): "
                         "a block freed while a copy still reads it (record_stream) counts until the copy is done, "
@@ -248,10 +255,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     f"{args.warmup_steps})")
     if args.peak_trace is not None and args.device != "cuda":
         p.error("--peak-trace records the CUDA allocator's history: it needs --device cuda")
-    traces = [flag for flag, value in (("--peak-trace", args.peak_trace), ("--profile-trace", args.profile_trace))
-              if value is not None]
+    traces = [flag for flag, value in (("--peak-trace", args.peak_trace), ("--profile-trace", args.profile_trace),
+                                       ("--decision-log", args.decision_log)) if value is not None]
     if len(traces) > 1:
-        p.error("--profile-trace and --peak-trace both record the last step: give one")
+        p.error(f"{' and '.join(traces)} each record the last step: give one")
     if traces and args.steps - args.warmup_steps < 2:
         p.error(f"{traces[0]} leaves its step out of the times: it needs at least 2 measured steps "
                 f"(--steps {args.steps}, --warmup-steps {args.warmup_steps})")
@@ -499,12 +506,20 @@ ALLOCATOR_COUNTS = {"device_allocs": "num_device_alloc", "device_frees": "num_de
 @contextlib.contextmanager
 def step_recording(args: argparse.Namespace, traced: bool):
     """What records the step (``--peak-trace``: the allocator's history; ``--profile-trace``:
-    ``torch.profiler``, the engine's ranges mirrored into it); nothing for an untraced step."""
+    ``torch.profiler``, the engine's ranges mirrored into it; ``--decision-log``: the
+    offloading decisions); nothing for an untraced step."""
     if not traced:
         yield None
     elif args.peak_trace is not None:
         with peak_live.record() as recording:
             yield recording
+    elif args.decision_log is not None:
+        log = decision_log.DecisionLog().install()
+        try:
+            with log.record() as entries:
+                yield entries
+        finally:
+            log.remove()
     else:
         from torch.profiler import ProfilerActivity, profile
 
@@ -630,7 +645,7 @@ def run(args: argparse.Namespace) -> dict:
             drop_autograd_history_kept_by_modules(chunks)
             graphs.create_cudagraphs()
         measured = step >= args.warmup_steps
-        traced = (args.peak_trace or args.profile_trace) is not None and step == args.steps - 1
+        traced = (args.peak_trace or args.profile_trace or args.decision_log) is not None and step == args.steps - 1
         offloading = not (args.alternate_baseline and measured and (args.steps - 1 - step) % 2)
         batches = step_batches(args, step)
         data = [iter(batches) for _ in chunks] if interleaved else iter(batches)
@@ -653,6 +668,9 @@ def run(args: argparse.Namespace) -> dict:
             summary = peak_live.summarize(recording["snapshot"], recording["start_bytes"],
                                           torch.cuda.current_device())
             write_json(args.peak_trace / f"peak_rank{rank}.json", {"command": sys.argv, **summary})
+        elif traced and args.decision_log is not None:
+            write_json(args.decision_log / f"decisions_rank{rank}.json",
+                       {"command": sys.argv, **decision_log.summarize(recording), "log": recording})
         elif traced:
             overlap.export_trace(recording, args.profile_trace / f"trace_rank{rank}.json.gz")
         else:

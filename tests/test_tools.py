@@ -807,3 +807,36 @@ def test_advisor_predicts_the_peak_on_the_gpu(tmp_path, capsys):
     assert not bad, "; ".join(bad)
     for row in result["rows"]:
         assert row["offloaded_bytes"] == pytest.approx(row["predicted_offloaded_bytes"], rel=0.01), row["label"]
+
+
+def test_decision_log_summary_cuts_around_where_the_step_first_reached_its_peak():
+    """`offload.tools.decision_log.summarize`: the step's highest ``max_mib`` and the entries
+    around the first that reached it (the peak came after the entry before it)."""
+    from offload.tools.decision_log import summarize
+
+    entries = [{"event": "unpack", "group": f"g{i}", "max_mib": m} for i, m in enumerate([5, 9, 12, 12, 30, 30, 31, 31])]
+    out = summarize(entries, before=2)
+    assert (out["entries"], out["peak_mib"], out["peak_entry"]) == (8, 31, 6)
+    assert [e["group"] for e in out["around_peak"]] == ["g4", "g5", "g6", "g7"]
+    assert summarize([])["around_peak"] == [] and summarize([])["peak_mib"] is None
+
+
+def test_decision_log_wrappers_come_off(configure):
+    """`DecisionLog.remove` puts back the engine's own methods; nothing is logged outside `record`."""
+    from offload.manager import PipelineOffloadManager
+    from offload.tools.decision_log import DecisionLog
+
+    from offload.group import TensorRecord
+
+    real = (PipelineOffloadManager.reload, TensorRecord.check_version)
+    log = DecisionLog().install()
+    try:
+        assert PipelineOffloadManager.reload is not real[0]
+        log._add("reload", "g")
+        assert log.entries == []
+        with log.record() as entries:
+            log._add("reload", "g")
+        assert [e["group"] for e in entries] == ["g"]
+    finally:
+        log.remove()
+    assert (PipelineOffloadManager.reload, TensorRecord.check_version) == real

@@ -546,6 +546,41 @@ def test_example_profile_trace_records_the_last_step_untimed(tmp_path):
     assert any(n.startswith("reload/core_attn/") for n in names)
 
 
+def test_example_decision_log_logs_the_last_step_untimed(tmp_path):
+    """``--decision-log`` (`offload.tools.decision_log`): the last step's reloads, group
+    backwards and first unpacks, in the order the engine made them, with what it held then;
+    left out of the step times, training as without it. Each group is unpacked once in the
+    log, reloaded before its first unpack, and its backward ends after it; with the last-layer
+    rule (one chunk, forward then its own backward) the last layer's group is kept, its source
+    still the engine's at its unpack, and nothing reloads it."""
+    import json
+
+    argv = ["--model", "gpt", "--steps", "4", "--offload-modules=core_attn"]
+    ref = _run_example(tmp_path, "ref", 1, argv)
+    got = _run_example(tmp_path, "logged", 1, [*argv, "--decision-log", str(tmp_path / "log")])
+    assert ref["ok"] and got["ok"]
+    assert ref["loss_hex"] == got["loss_hex"] and ref["param_sha256"] == got["param_sha256"]
+    assert len(got["per_rank"][0]["step_time_ms"]) == 3
+    log = json.loads((tmp_path / "log" / "decisions_rank0.json").read_text())
+    entries = log["log"]
+    assert log["entries"] == len(entries) and log["peak_mib"] == 0  # no allocator on the CPU
+    unpacked = [e["group"] for e in entries if e["event"] == "unpack"]
+    layers = 4  # TINY
+    assert len(unpacked) == len(set(unpacked)) == layers * 2  # two microbatches
+    for label in unpacked:
+        events = [(i, e["event"]) for i, e in enumerate(entries) if e["group"] == label]
+        kinds = [kind for _, kind in events]
+        assert kinds.count("unpack") == 1 and kinds.count("backward_done") == 1, (label, kinds)
+        first_unpack = kinds.index("unpack")
+        assert kinds.index("backward_done") > first_unpack
+        if f"/L{layers - 1}/" in label:  # kept by the last-layer rule
+            assert "reload" not in kinds
+            unpack = entries[events[first_unpack][0]]
+            assert any(key.startswith(label) and key.endswith(":KEPT") for key in unpack["sources"]), unpack
+        else:
+            assert "reload" in kinds  # prefetched before its unpack, or on demand right after it
+
+
 def test_sequential_expert_fc1_is_one_group_per_layer_and_copies_all_routed_tokens(mg):
     """Each expert's fc1 saves a slice of the routed tokens; the layer's expert_fc1 group copies
     every slice once the experts are done, and nothing of the activations or fc2s."""

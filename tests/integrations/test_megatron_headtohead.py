@@ -397,8 +397,9 @@ def test_example_peak_trace_is_refused_where_it_cannot_record(example, capsys, a
 
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "3", "--warmup-steps", "2"], "it needs at least 2 measured steps"),
-    (["--device", "cuda", "--peak-trace", "x"], "--profile-trace and --peak-trace both record the last step"),
-], ids=["one-step", "with-peak-trace"])
+    (["--device", "cuda", "--peak-trace", "x"], "--peak-trace and --profile-trace each record the last step"),
+    (["--decision-log", "x"], "--profile-trace and --decision-log each record the last step"),
+], ids=["one-step", "with-peak-trace", "with-decision-log"])
 def test_example_profile_trace_is_refused_where_it_cannot_record(example, capsys, argv, message, tmp_path):
     with pytest.raises(SystemExit):
         example.parse_args(["--device", "cpu", *argv, "--profile-trace", str(tmp_path)])
