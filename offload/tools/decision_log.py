@@ -6,7 +6,8 @@ two reloads of 128 MiB at this library's copy site may be any two groups. This l
 Inside `record`, every reload the engine issues, every group backward that ends, and the first
 unpack of each group append an entry: the event, the group's label, `memory_allocated` and
 `max_memory_allocated` in MiB (0 on the CPU), the groups whose reloaded records are on the GPU
-and not yet handed to autograd (``reloaded``), and the MiB of records whose GPU source the
+and not yet handed to autograd (``reloaded``; a record a later group shares, as ``attn_proj``
+shares ``core_attn``'s output, counts under both), and the MiB of records whose GPU source the
 engine still holds (kept by the last-layer rule, held elsewhere, or copying out: ``sources``,
 by group and state, at each first unpack). Where megatron-core's fine-grained offloading is
 imported, its reloads, backward commits and offloads are logged too, by group name, so that
