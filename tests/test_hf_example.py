@@ -46,8 +46,16 @@ def _run(*args: str, one_rank: bool = False) -> str:
     return out.stdout
 
 
+def test_hf_finetune_runs_each_training_run_in_a_process_of_its_own():
+    """As a user runs it: the run without offloading and the run with it, each a child process
+    (about 6 s of imports each on the CI machine: one model here, both in the next test)."""
+    out = _run("--model", "llama", "--steps", "1")
+    assert out.count("losses and weights bitwise equal: True") == 1
+    assert "offloaded names: core_attn,qkv_linear" in out
+
+
 def test_hf_finetune_llama_and_qwen3_moe(tmp_path):
-    out = _run("--model", "all", "--steps", "2", "--json", str(tmp_path / "hf.json"))
+    out = _run("--model", "all", "--steps", "2", "--json", str(tmp_path / "hf.json"), one_rank=True)
     assert out.count("losses and weights bitwise equal: True") == 2
     assert "offloaded names: core_attn,qkv_linear,router,experts" in out
     records = json.loads((tmp_path / "hf.json").read_text())["records"]
