@@ -11,6 +11,7 @@ advice's arithmetic on that run's figures.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import warnings
@@ -840,3 +841,38 @@ def test_decision_log_wrappers_come_off(configure):
     finally:
         log.remove()
     assert (PipelineOffloadManager.reload, TensorRecord.check_version) == real
+
+
+def test_decision_log_changes_nothing_the_engine_does(configure):
+    """A logged step makes the same copies as an unlogged one (one rank of PP=2 VPP=2 replayed,
+    8 microbatches): the log reads the engine's handlers without retiring any. A log that went
+    through `PipelineOffloadManager.live_handlers`, which retires the idle handlers first, made
+    the first layer's `qkv_linear` of every chunk's backward reload on demand."""
+    import copy
+
+    from conftest import gpt_chunks
+    from offload.schedules import schedule_order
+    from offload.testing import GPT_MAPPING, first_difference, replay_order
+    from offload.tools.decision_log import DecisionLog
+
+    order = schedule_order(2, 2, 8, 0)
+    chunks = gpt_chunks(2, 32, 4, 3)
+    totals, grads = [], []
+    for logged in (False, True):
+        configure(["qkv_linear", "core_attn", "attn_proj"])
+        model = copy.deepcopy(chunks)
+        handles = [offload.attach(chunk, GPT_MAPPING, chunk_id=c) for c, chunk in enumerate(model)]
+        offload.set_schedule(order)
+        log = DecisionLog().install()
+        try:
+            with log.record() if logged else contextlib.nullcontext():
+                grads.append(replay_order(model, order, (8, 2, 32)))
+        finally:
+            log.remove()
+        t = offload.end_iteration().total()
+        totals.append((t.reloads_on_demand, t.reloads_prefetched, t.groups_offloaded, t.groups_kept))
+        for handle in handles:
+            handle.remove()
+    assert first_difference(*grads) is None
+    assert totals[0] == totals[1] and totals[0][1] > 0, totals
+    assert any(e["event"] == "reload" and e["prefetch"] for e in log.entries)

@@ -41,11 +41,13 @@ def _memory() -> tuple[int, int]:
 
 
 def engine_residency(manager: PipelineOffloadManager) -> tuple[dict[str, int], dict[str, int]]:
-    """MiB per group of the live handlers: reloaded records still the engine's (``rec.dev``),
-    and records whose GPU source the engine holds (``rec.src``), keyed ``label:STATE``."""
+    """MiB per group of the handlers not yet retired: reloaded records still the engine's
+    (``rec.dev``), and records whose GPU source the engine holds (``rec.src``), keyed
+    ``label:STATE``. Read only: not `PipelineOffloadManager.live_handlers`, which retires the
+    idle handlers first (a log that did changed what the engine prefetched)."""
     reloaded: dict[str, int] = {}
     sources: dict[str, int] = {}
-    for handler in manager.live_handlers:
+    for handler in manager.order.handlers:
         for group in handler.groups:
             dev = sum(rec.nbytes for rec in group.all_records() if rec.dev is not None)
             src = sum(rec.nbytes for rec in group.records if rec.src is not None)
