@@ -408,7 +408,10 @@ class PipelineOffloadManager:
     @property
     def live_handlers(self) -> list[ChunkOffloadHandler]:
         """Handlers not yet retired (their saved tensors are still referenced by autograd),
-        in the order their backwards run."""
+        in the order their backwards run. It retires the idle ones first: read it between
+        steps, not from a hook inside a backward, where a handler retired before its first
+        layer's backward ended prefetches nothing for the chunk whose backward runs next
+        (`offload.tools.decision_log` reads ``order.handlers`` instead)."""
         self._retire_idle()
         return list(self.order.handlers)
 
