@@ -824,10 +824,9 @@ def test_decision_log_summary_cuts_around_where_the_step_first_reached_its_peak(
 
 def test_decision_log_wrappers_come_off(configure):
     """`DecisionLog.remove` puts back the engine's own methods; nothing is logged outside `record`."""
+    from offload.group import TensorRecord
     from offload.manager import PipelineOffloadManager
     from offload.tools.decision_log import DecisionLog
-
-    from offload.group import TensorRecord
 
     real = (PipelineOffloadManager.reload, TensorRecord.check_version)
     log = DecisionLog().install()
@@ -846,8 +845,10 @@ def test_decision_log_wrappers_come_off(configure):
 def test_decision_log_changes_nothing_the_engine_does(configure):
     """A logged step makes the same copies as an unlogged one (one rank of PP=2 VPP=2 replayed,
     8 microbatches): the log reads the engine's handlers without retiring any. A log that went
-    through `PipelineOffloadManager.live_handlers`, which retires the idle handlers first, made
-    the first layer's `qkv_linear` of every chunk's backward reload on demand."""
+    through `PipelineOffloadManager.live_handlers`, which retires the idle handlers first,
+    retired each chunk's handler before its first layer's `qkv_linear` backward ended, and the
+    last layer's `qkv_linear` of the chunk whose backward came next was reloaded on demand: 18
+    reloads on demand here instead of 3."""
     import copy
 
     from conftest import gpt_chunks
