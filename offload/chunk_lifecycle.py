@@ -111,6 +111,15 @@ class ChunkLifecycle:
                 self.copies.offload(group, bound=False)
         return [group.label for group in pending]
 
+    def model_returned(self, handler: ChunkOffloadHandler) -> None:
+        """``handler``'s model returned (the forward's end above): over now if the schedule says
+        its own backward is not next; else its records held elsewhere get a look (Note [8] of
+        `offload.copy_queue`), its last groups still waiting for what comes next."""
+        if handler.own_backward_next is False:
+            self.end_forward(keep=False)
+        else:
+            self.copies.offload_released(handler)
+
     def hand_over_forward(self) -> list[OffloadGroup]:
         """The chunk forward in progress (if any) is over, and its groups still waiting for
         the last-layer decision go to the caller undecided (a forward cut at a CUDA graph's

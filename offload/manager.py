@@ -254,12 +254,8 @@ class PipelineOffloadManager:
         the forward's end). Does nothing outside a chunk forward, inside a group, in a
         recompute, and under capture."""
         handler = self._eager_chunk_forward()
-        if handler is None or self._names_open:
-            return
-        if handler.own_backward_next is False:
-            self.chunks.end_forward(keep=False)
-        else:
-            self.copies.offload_released(handler)
+        if handler is not None and not self._names_open:
+            self.chunks.model_returned(handler)
 
     def _eager_chunk_forward(self) -> ChunkOffloadHandler | None:
         """The chunk forward in progress, where its copies are the engine's to issue now: not

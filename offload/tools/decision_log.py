@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
+
+import torch
 
 from offload.group import TensorRecord
 from offload.manager import PipelineOffloadManager
@@ -33,8 +35,6 @@ MIB = 2**20
 
 
 def _memory() -> tuple[int, int]:
-    import torch
-
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return 0, 0
     return round(torch.cuda.memory_allocated() / MIB), round(torch.cuda.max_memory_allocated() / MIB)
@@ -81,60 +81,39 @@ class DecisionLog:
                 entry["sources"] = sources
         self.entries.append(entry)
 
-    def _wrap(self, cls: type, name: str, make: Any) -> None:
+    def _before(self, cls: type, name: str, note: Callable[..., None]) -> None:
+        """Have ``cls.name`` call ``note`` with its arguments first (it logs only while recording)."""
         real = getattr(cls, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            note(*args, **kwargs)
+            return real(*args, **kwargs)
+
         self._undo.append((cls, name, real))
-        setattr(cls, name, make(real))
+        setattr(cls, name, wrapper)
+
+    def _first_unpack(self, record: TensorRecord, label: str) -> None:
+        # Each unpack begins with its record's version check; the manager's own hooks are bound
+        # when it is made, so the log cannot wrap them.
+        if self.recording and label not in self._seen:
+            self._seen.add(label)
+            self._add("unpack", label, PipelineOffloadManager._instance)
 
     def install(self) -> "DecisionLog":
-        log = self
-
-        def reload(real):
-            def wrapper(manager, group, prefetch, replay=None):
-                log._add("reload", group.label, manager, prefetch=prefetch)
-                return real(manager, group, prefetch, replay)
-            return wrapper
-
-        def done(real):
-            def wrapper(manager, group):
-                log._add("backward_done", group.label, manager)
-                return real(manager, group)
-            return wrapper
-
-        def unpack(real):  # each unpack begins with its record's version check
-            def wrapper(record, label):  # the manager's hooks are bound when it is made
-                if label not in log._seen:
-                    log._seen.add(label)
-                    log._add("unpack", label, PipelineOffloadManager._instance)
-                return real(record, label)
-            return wrapper
-
-        self._wrap(PipelineOffloadManager, "reload", reload)
-        self._wrap(PipelineOffloadManager, "on_group_backward_done", done)
-        self._wrap(TensorRecord, "check_version", unpack)
+        manager = PipelineOffloadManager
+        self._before(manager, "reload", lambda m, group, prefetch, replay=None:
+                     self._add("reload", group.label, m, prefetch=prefetch))
+        self._before(manager, "on_group_backward_done", lambda m, group: self._add("backward_done", group.label, m))
+        self._before(TensorRecord, "check_version", self._first_unpack)
         try:
             fgao = importlib.import_module("megatron.core.pipeline_parallel.fine_grained_activation_offload")
         except ImportError:  # megatron-core absent, or older than its offloading
             fgao = None
-        handler_cls = getattr(fgao, "ChunkOffloadHandler", None)
-        if handler_cls is not None:
-            def megatron_reload(real):
-                def wrapper(chunk, *args, **kwargs):
-                    log._add("megatron_reload", chunk._groups_to_reload[-1]._name)
-                    return real(chunk, *args, **kwargs)
-                return wrapper
-
-            def megatron_event(kind):
-                def make(real):
-                    def wrapper(chunk, name, *args, **kwargs):
-                        log._add(kind, name)
-                        return real(chunk, name, *args, **kwargs)
-                    return wrapper
-                return make
-
-            self._wrap(handler_cls, "bulk_reload_group", megatron_reload)
-            self._wrap(handler_cls, "on_group_commit_backward", megatron_event("megatron_commit_backward"))
-            self._wrap(handler_cls, "bulk_offload", megatron_event("megatron_offload"))
+        chunk = getattr(fgao, "ChunkOffloadHandler", None)
+        if chunk is not None:
+            self._before(chunk, "bulk_reload_group", lambda c: self._add("megatron_reload", c._groups_to_reload[-1]._name))
+            self._before(chunk, "on_group_commit_backward", lambda c, name: self._add("megatron_commit_backward", name))
+            self._before(chunk, "bulk_offload", lambda c, name, *rest: self._add("megatron_offload", name))
         return self
 
     def remove(self) -> None:
