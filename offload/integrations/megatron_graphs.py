@@ -13,7 +13,10 @@ Megatron-core has three CUDA-graph implementations (``--cuda-graph-impl``):
   `offload.capture`, so they also run under the eager part) and the groups in the eager part
   offload eagerly, as anywhere. Supported.
 * ``local``: Megatron's own ``CudaGraphManager`` captures with its own runners, outside any
-  offload region: refused.
+  offload region: refused. Its regions are not Transformer Engine's: with ``attn`` or ``mlp``
+  named, megatron-core 0.19's ``TransformerLayer`` gives the whole layer one runner, experts
+  included (tried on an H200, 2026-11-29: the GPT layer spec's MoE layers have no runner for
+  ``moe_router`` alone, so no scope there leaves graphs with the experts eager).
 * ``full_iteration``: one graph for the whole forward and backward: refused.
 
 With ``transformer_engine``, expert-parallel overlap (``--overlap-moe-expert-parallel-comm``)
@@ -72,9 +75,15 @@ class CudaGraphMode:
         which `route_te_graphs` routes through ``offload.graphs``."""
         return self.impl == "transformer_engine" and not self.whole_iteration
 
+    @property
+    def whole_layers(self) -> bool:
+        """Whether each transformer layer is captured whole: no regions named, or ``local`` with
+        ``attn`` or ``mlp`` (its runner takes the layer's whole forward; module docstring)."""
+        return not self.modules or (self.impl == "local" and bool({"attn", "mlp"} & set(self.modules)))
+
     def captured(self, names: Iterable[str]) -> list[str]:
         """Those of ``names`` whose modules run inside the graphs."""
-        if self.whole_iteration or not self.modules:
+        if self.whole_iteration or self.whole_layers:
             return list(names)
         inside: set[str] = set()
         known = {n for region in _GRAPH_REGIONS.values() for n in region}
@@ -151,6 +160,9 @@ def check_cuda_graphs(config: Any, names: Iterable[str]) -> CudaGraphMode | None
         what = "one graph for the whole forward and backward of an iteration"
     elif not mode.modules:
         what = "one graph per transformer layer, the whole layer"
+    elif mode.whole_layers:
+        named = " or ".join(r for r in mode.modules if r in ("attn", "mlp"))
+        what = f"Megatron's own runners, which take each transformer layer whole when {named} is named"
     else:
         what = f"graphs of {', '.join(mode.modules)} in each transformer layer, the rest eager"
     captured = mode.captured(names)

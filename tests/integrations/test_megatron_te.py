@@ -177,8 +177,8 @@ def _v16(impl: str, scope, **kw) -> SimpleNamespace:
      [r"\(--cuda-graph-impl local: one graph per transformer layer, the whole layer\)",
       "Inside the graphs: core_attn."]),
     (_v19("local", [_Module.attn]), "core_attn,expert_fc1", "local:attn",
-     [r"--cuda-graph-impl local --cuda-graph-modules attn: graphs of attn", "Inside the graphs: core_attn.",
-      "Outside them: expert_fc1."]),
+     [r"--cuda-graph-impl local --cuda-graph-modules attn: Megatron's own runners, which take each transformer "
+      r"layer whole when attn is named\)", "Inside the graphs: core_attn, expert_fc1."]),
     (_v19("full_iteration", []), "fc1", "full_iteration",
      [r"\(--cuda-graph-impl full_iteration: one graph for the whole forward and backward", "Inside the graphs: fc1."]),
     (_v16("local", "full_iteration"), "fc1", "full_iteration",
