@@ -6,11 +6,11 @@ Fixtures: ``configure`` (a fresh engine, CPU fallback by default), ``determinist
 
 Helpers, imported by the test modules with ``from conftest import ...``: `CUDA_ONLY` and
 `requires_cuda` (skip without CUDA), `seeded_pair` (an input and an output gradient drawn from a
-seed), `PIPELINE_GRID` and `pipeline_ranks` (the (PP, VPP, M, rank) replays), `gpt_chunks`
-(one model per pipeline chunk), `slow_side_streams` (copies run late), `reproducible`
-(a reference run, checked against a second run), `attention_output_stays` (which names of a
-`GPTLayerStack` keep core_attn's output on the device), `engine_flows` (the ways a chunk
-handler ends). That import works because this is the
+seed), `PIPELINE_GRID`, `CPU_PIPELINE_GRID` and `pipeline_ranks` (the (PP, VPP, M, rank)
+replays), `gpt_chunks` (one model per pipeline chunk), `slow_side_streams` (copies run late),
+`reproducible` (a reference run, checked against a second run), `attention_output_stays` (which
+names of a `GPTLayerStack` keep core_attn's output on the device), `engine_flows` (the ways a
+chunk handler ends). That import works because this is the
 suite's only conftest.py: pytest imports every conftest.py outside a package as the module
 ``conftest``, so a second one (say in tests/integrations/) would take its place in
 ``sys.modules`` partway through a whole-suite run. Put fixtures for a subfolder here too.
@@ -123,7 +123,11 @@ PIPELINE_GRID = [
     for m in (pp, 2 * pp, 4 * pp)
     for rank in pipeline_ranks(pp)
 ]
-"""(PP, VPP, microbatches, rank) of the one-rank pipeline replays (CPU and GPU)."""
+"""(PP, VPP, microbatches, rank) of the one-rank pipeline replays on the GPU."""
+
+CPU_PIPELINE_GRID = [(pp, vpp, m, rank) for pp, vpp, m, rank in PIPELINE_GRID if (pp, m) != (8, 32)]
+"""The CPU suite's replays: `PIPELINE_GRID` less its 32 microbatches on 8 stages, the longest
+steady states (a third of the CPU replays' time), which the GPU suite still replays."""
 
 
 def gpt_chunks(vpp: int, hidden: int, heads: int, layers: int, **kw: Any) -> list[torch.nn.Module]:

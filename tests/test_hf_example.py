@@ -31,31 +31,46 @@ def example():
     return module
 
 
-def _run(*args: str, one_rank: bool = False) -> str:
-    """The example as a user runs it: each training run in a child process of its own. With
-    ``one_rank``, in the environment ``torchrun --nproc-per-node 1`` gives its rank: both runs in
-    that one process (for the tests of a feature, without two more interpreters to start)."""
+def _offloaded(stdout: str) -> str:
+    """``stdout`` after checking that every run reports MiB offloaded per step."""
+    moved = [float(line.split()[-1]) for line in stdout.splitlines() if line.startswith("offload ")]
+    assert moved and all(m > 0 for m in moved), stdout  # MiB offloaded per step, per model
+    return stdout
+
+
+def _run(*args: str) -> str:
+    """The example as a user runs it: each training run in a child process of its own."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    if one_rank:
-        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     out = subprocess.run([sys.executable, "examples/hf_finetune.py", "--device", "cpu", *args], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
-    moved = [float(line.split()[-1]) for line in out.stdout.splitlines() if line.startswith("offload ")]
-    assert moved and all(m > 0 for m in moved), out.stdout  # MiB offloaded per step, per model
-    return out.stdout
+    return _offloaded(out.stdout)
+
+
+def _run_here(example, capsys, monkeypatch, *args: str) -> str:
+    """The example's ``main`` in this process, in the environment ``torchrun --nproc-per-node 1``
+    gives its rank: both runs here (for the tests of a feature, without three interpreters to
+    start). It destroys the process group it starts."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(key, value)
+    rc = example.main(["--device", "cpu", *args])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    return _offloaded(out)
 
 
 def test_hf_finetune_runs_each_training_run_in_a_process_of_its_own():
     """As a user runs it: the run without offloading and the run with it, each a child process
-    (about 6 s of imports each on the CI machine: one model here, both in the next test)."""
+    (about 6 s of imports each on the CI machine: one model here; both, in this process, next)."""
     out = _run("--model", "llama", "--steps", "1")
     assert out.count("losses and weights bitwise equal: True") == 1
     assert "offloaded names: core_attn,qkv_linear" in out
 
 
-def test_hf_finetune_llama_and_qwen3_moe(tmp_path):
-    out = _run("--model", "all", "--steps", "2", "--json", str(tmp_path / "hf.json"), one_rank=True)
+def test_hf_finetune_llama_and_qwen3_moe(example, capsys, monkeypatch, tmp_path):
+    out = _run_here(example, capsys, monkeypatch, "--model", "all", "--steps", "2", "--json", str(tmp_path / "hf.json"))
     assert out.count("losses and weights bitwise equal: True") == 2
     assert "offloaded names: core_attn,qkv_linear,router,experts" in out
     records = json.loads((tmp_path / "hf.json").read_text())["records"]
@@ -65,14 +80,15 @@ def test_hf_finetune_llama_and_qwen3_moe(tmp_path):
     assert all(r["grads_bitwise"] is True and r["device"] == "cpu" and r["step_ms"] > 0 for r in records)
 
 
-def test_hf_finetune_fsdp2():
-    out = _run("--model", "llama", "--fsdp2", "--steps", "2", "--offload-modules", "core_attn,fc1,fc2", one_rank=True)
+def test_hf_finetune_fsdp2(example, capsys, monkeypatch):
+    out = _run_here(example, capsys, monkeypatch, "--model", "llama", "--fsdp2", "--steps", "2",
+                    "--offload-modules", "core_attn,fc1,fc2")
     assert "FSDP2" in out and "losses and weights bitwise equal: True" in out
 
 
-def test_hf_finetune_plan_at_a_budget(tmp_path):
-    out = _run("--model", "llama", "--steps", "3", "--memory-budget=-30%", "--json", str(tmp_path / "hf.json"),
-               one_rank=True)
+def test_hf_finetune_plan_at_a_budget(example, capsys, monkeypatch, tmp_path):
+    out = _run_here(example, capsys, monkeypatch, "--model", "llama", "--steps", "3", "--memory-budget=-30%",
+                    "--json", str(tmp_path / "hf.json"))
     assert "Plan for a memory budget" in out and "losses and weights bitwise equal: True" in out
     [record] = json.loads((tmp_path / "hf.json").read_text())["records"]
     assert record["names"].startswith("plan at -30% among attn_norm,core_attn,attn_proj,mlp_norm,mlp_act,fc2: offload ")
@@ -80,11 +96,11 @@ def test_hf_finetune_plan_at_a_budget(tmp_path):
 
 
 @pytest.mark.skipif(checkpoint_wraps_hooks(GradientCheckpointingLayer), reason="transformers < 5.23 checkpoints the layer's hooks")
-def test_hf_finetune_gradient_checkpointing_offloads_the_layer_inputs():
+def test_hf_finetune_gradient_checkpointing_offloads_the_layer_inputs(example, capsys, monkeypatch):
     """Both runs checkpoint every layer; ``layer`` offloads what the checkpoints keep (4 layers:
     layer 0's input is held by the model's forward, layer 3's kept, two of [2, 16, 64] fp32)."""
-    out = _run("--model", "llama", "--steps", "2", "--layers", "4", "--gradient-checkpointing",
-               "--offload-modules", "layer,core_attn", one_rank=True)
+    out = _run_here(example, capsys, monkeypatch, "--model", "llama", "--steps", "2", "--layers", "4",
+                    "--gradient-checkpointing", "--offload-modules", "layer,core_attn")
     assert "gradient checkpointing; offloaded names: layer,core_attn" in out
     assert "losses and weights bitwise equal: True" in out
     assert [line.split()[-1] for line in out.splitlines() if line.startswith("offload ")] == [f"{16384 / 2**20:.2f}"]

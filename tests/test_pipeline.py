@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import offload
-from conftest import PIPELINE_GRID as GRID, gpt_chunks
+from conftest import CPU_PIPELINE_GRID as GRID, gpt_chunks
 from offload.errors import OffloadError
 from offload.group_policy import GroupInfo, by_layer, min_live, warmup_only
 from offload.chunk_lifecycle import ChunkLifecycle
