@@ -488,13 +488,23 @@ torch.cuda.is_available = torch.cuda.device_count = refuse
 """
 
 
+_IMPORTS_ONLY_WHAT_IT_NEEDS = """
+import sys, offload
+assert not [m for m in sys.modules if m.startswith("offload.tools")], "import offload imported offload.tools"
+import offload.presets
+assert "transformers" not in sys.modules, "import offload.presets imported transformers"
+"""
+
+
 @pytest.mark.parametrize("control", [False, True])
-def test_importing_offload_queries_no_cuda(control):
+def test_importing_offload_queries_no_cuda_and_imports_no_extras(control):
     """``import offload`` asks nothing of CUDA (a query starts the driver, and a process forked
     afterwards, such as a fork server's workers, cannot use it); the NVTX backend is picked at
-    the first range. The control queries CUDA at import and must be caught."""
-    code = _REFUSE_CUDA_QUERIES + ("torch.cuda.is_available()\n" if control else "") + (
-        "import offload, offload.streams, offload.graphs, offload.planner\n"
+    the first range. The control queries CUDA at import and must be caught. In the same fresh
+    interpreter: the core imports none of ``offload.tools``, and ``offload.presets`` does not
+    import transformers (it reads a model's classes by name)."""
+    code = _REFUSE_CUDA_QUERIES + ("torch.cuda.is_available()\n" if control else "") + _IMPORTS_ONLY_WHAT_IT_NEEDS + (
+        "import offload.streams, offload.graphs, offload.planner\n"
         "torch.cuda.is_available, torch.cuda.device_count = real\n"
         "offload.nvtx.push('x'); offload.nvtx.pop()\n"
     )

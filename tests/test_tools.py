@@ -767,14 +767,6 @@ def test_nsys_without_a_report_says_so_and_where_the_capture_is(tmp_path, capsys
     assert "did not run the command" in capsys.readouterr().err
 
 
-def test_core_package_does_not_import_tools():
-    import subprocess
-    import sys
-
-    code = "import sys, offload; assert not [m for m in sys.modules if m.startswith('offload.tools')]"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
-
-
 # ------------------------------------------------------------------ on the GPU
 @requires_cuda
 def test_advisor_predicts_the_peak_on_the_gpu(tmp_path, capsys):
