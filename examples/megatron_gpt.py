@@ -255,8 +255,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     f"{args.warmup_steps})")
     if args.peak_trace is not None and args.device != "cuda":
         p.error("--peak-trace records the CUDA allocator's history: it needs --device cuda")
-    traces = [flag for flag, value in (("--peak-trace", args.peak_trace), ("--profile-trace", args.profile_trace),
-                                       ("--decision-log", args.decision_log)) if value is not None]
+    traces = [f"--{dest.replace('_', '-')}" for dest in last_step_recorders(args)]
     if len(traces) > 1:
         p.error(f"{' and '.join(traces)} each record the last step: give one")
     if traces and args.steps - args.warmup_steps < 2:
@@ -503,6 +502,14 @@ ALLOCATOR_COUNTS = {"device_allocs": "num_device_alloc", "device_frees": "num_de
                     "alloc_retries": "num_alloc_retries", "syncs_all_streams": "num_sync_all_streams"}
 
 
+LAST_STEP_RECORDERS = ("peak_trace", "profile_trace", "decision_log")  # the flags' dests; at most one given
+
+
+def last_step_recorders(args: argparse.Namespace) -> list[str]:
+    """The dests of `LAST_STEP_RECORDERS` that ``args`` gives (each records the last step)."""
+    return [dest for dest in LAST_STEP_RECORDERS if getattr(args, dest) is not None]
+
+
 @contextlib.contextmanager
 def step_recording(args: argparse.Namespace, traced: bool):
     """What records the step (``--peak-trace``: the allocator's history; ``--profile-trace``:
@@ -514,12 +521,8 @@ def step_recording(args: argparse.Namespace, traced: bool):
         with peak_live.record() as recording:
             yield recording
     elif args.decision_log is not None:
-        log = decision_log.DecisionLog().install()
-        try:
-            with log.record() as entries:
-                yield entries
-        finally:
-            log.remove()
+        with decision_log.record() as entries:
+            yield entries
     else:
         from torch.profiler import ProfilerActivity, profile
 
@@ -645,7 +648,7 @@ def run(args: argparse.Namespace) -> dict:
             drop_autograd_history_kept_by_modules(chunks)
             graphs.create_cudagraphs()
         measured = step >= args.warmup_steps
-        traced = (args.peak_trace or args.profile_trace or args.decision_log) is not None and step == args.steps - 1
+        traced = bool(last_step_recorders(args)) and step == args.steps - 1
         offloading = not (args.alternate_baseline and measured and (args.steps - 1 - step) % 2)
         batches = step_batches(args, step)
         data = [iter(batches) for _ in chunks] if interleaved else iter(batches)

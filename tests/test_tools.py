@@ -818,6 +818,7 @@ def test_decision_log_wrappers_come_off(configure):
     """`DecisionLog.remove` puts back the engine's own methods; nothing is logged outside `record`."""
     from offload.group import TensorRecord
     from offload.manager import PipelineOffloadManager
+    from offload.tools import decision_log
     from offload.tools.decision_log import DecisionLog
 
     real = (PipelineOffloadManager.reload, TensorRecord.check_version)
@@ -832,6 +833,9 @@ def test_decision_log_wrappers_come_off(configure):
     finally:
         log.remove()
     assert (PipelineOffloadManager.reload, TensorRecord.check_version) == real
+    with decision_log.record() as entries:  # the same, for one step
+        assert PipelineOffloadManager.reload is not real[0]
+    assert (PipelineOffloadManager.reload, TensorRecord.check_version) == real and entries == []
 
 
 def test_decision_log_changes_nothing_the_engine_does(configure):

@@ -79,7 +79,12 @@ class CudaGraphMode:
     def whole_layers(self) -> bool:
         """Whether each transformer layer is captured whole: no regions named, or ``local`` with
         ``attn`` or ``mlp`` (its runner takes the layer's whole forward; module docstring)."""
-        return not self.modules or (self.impl == "local" and bool({"attn", "mlp"} & set(self.modules)))
+        return not self.modules or (self.impl == "local" and bool(self.local_whole_layer_regions))
+
+    @property
+    def local_whole_layer_regions(self) -> list[str]:
+        """Of the regions named, those for which ``local``'s runner takes each layer whole."""
+        return [r for r in self.modules if r in ("attn", "mlp")]
 
     def captured(self, names: Iterable[str]) -> list[str]:
         """Those of ``names`` whose modules run inside the graphs."""
@@ -161,7 +166,7 @@ def check_cuda_graphs(config: Any, names: Iterable[str]) -> CudaGraphMode | None
     elif not mode.modules:
         what = "one graph per transformer layer, the whole layer"
     elif mode.whole_layers:
-        named = " or ".join(r for r in mode.modules if r in ("attn", "mlp"))
+        named = " or ".join(mode.local_whole_layer_regions)
         what = f"Megatron's own runners, which take each transformer layer whole when {named} is named"
     else:
         what = f"graphs of {', '.join(mode.modules)} in each transformer layer, the rest eager"

@@ -14,8 +14,9 @@ imported, its reloads, backward commits and offloads are logged too, by group na
 the two systems' runs line up. The wrappers cost microseconds per call: read the order and the
 memory from a logged step, not its time (the example leaves it out of the times).
 
-`summarize` cuts the entries around the first one at which ``max_memory_allocated`` reached the
-step's peak (the peak came after the entry before it):
+`record` logs one step (it puts the wrappers on and takes them off); `summarize` cuts the entries
+around the first one at which ``max_memory_allocated`` reached the step's peak (the peak came
+after the entry before it):
 
     python examples/megatron_gpt.py ... --decision-log DIR     # DIR/decisions_rank<R>.json
 """
@@ -130,6 +131,18 @@ class DecisionLog:
             yield self.entries
         finally:
             self.recording = False
+
+
+@contextlib.contextmanager
+def record() -> Iterator[list[dict[str, Any]]]:
+    """Put a `DecisionLog`'s wrappers on, log inside the block (one step) and take them off;
+    yields the entries."""
+    log = DecisionLog().install()
+    try:
+        with log.record() as entries:
+            yield entries
+    finally:
+        log.remove()
 
 
 def summarize(entries: list[dict[str, Any]], before: int = 8) -> dict[str, Any]:
