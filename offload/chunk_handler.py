@@ -87,7 +87,8 @@ class ChunkOffloadHandler:
         self.groups: list[OffloadGroup] = []
         self.last_of_name: dict[str, OffloadGroup] = {}
         self.pending: dict[str, OffloadGroup] = {}
-        self.last_closed: OffloadGroup | None = None  # the group that closed last in this forward
+        self.unlinked: list[OffloadGroup] = []  # their name's next invocation was declined: the next group reloads them
+        self.last_closed: tuple[str, int] | None = None  # (name, layer) of the invocation that closed last here
         self._by_storage: dict[int, list[TensorRecord]] = {}  # storage address -> its records
         self.held: list[TensorRecord] = []  # not copied: held elsewhere then (Note [8] of offload.copy_queue)
         self.host_syncs = False  # the model said it synced with the host in this forward (Note [9] of offload.copy_queue)
@@ -124,6 +125,8 @@ class ChunkOffloadHandler:
         """Open the offload group of invocation ``layer`` of ``name``, linked to the previous
         offloaded group of that name; ``packed_views`` as in `OffloadGroup`."""
         group = OffloadGroup(name, layer, self, self.last_of_name.get(name), self.capture, packed_views)
+        if self.unlinked:
+            group.reloads_too, self.unlinked = tuple(self.unlinked), []
         self.groups.append(group)
         self.last_of_name[name] = group
         return group
@@ -135,7 +138,6 @@ class ChunkOffloadHandler:
         over the storages both saved: `_share`), and ``group`` itself when ``not_last`` (the
         chunk's previous forward had a later group of its name); else ``group`` is pending."""
         group.advance(GroupState.PENDING)
-        self.last_closed = group
         previous = self.pending.pop(group.name, None)
         decided = [] if previous is None else [previous]
         if not_last:
@@ -295,7 +297,9 @@ class ChunkOffloadHandler:
             group.records.clear()
             group.borrowed.clear()
             group.prev_same = None
+            group.reloads_too = ()
         self.groups.clear()
+        self.unlinked.clear()
         self.invocations.clear()
         self.last_of_name.clear()
         self.pending.clear()

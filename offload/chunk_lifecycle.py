@@ -10,13 +10,14 @@ it would copy it out and straight back), offloaded when anything else comes firs
 chunk's forward, another chunk's backward, or the end of the iteration.
 
 The forward's end. The lifecycle remembers, from each chunk's previous forward, the layer of
-each name's last group (`known_not_last`): a group before it is decided when it closes, and its
+each name's last invocation, offloaded or declined by the group policy (`known_not_last`; Note
+[11] of `offload.copy_queue`): a group before it is decided when it closes, and its
 copies are issued at the next group open (Note [7] of `offload.copy_queue`), so the copies of a
 chunk's second-to-last layer run under its last layer, within the in-flight bound as everywhere
 else. (In a chunk's first forward a group is decided only when the next group of its name
-closes.) Whatever is still in flight when the forward's last group closes would hold its
+closes, or the next invocation of its name is declined.) Whatever is still in flight when the forward's last group closes would hold its
 memory through the forward's end, where a step's memory often peaks. So the lifecycle also
-remembers which group closed last (`closes_forward`): when it closes, the records held
+remembers which invocation closed last (`closes_forward`): when it closes, the records held
 elsewhere get their second look, and the compute stream waits for the copies in flight and
 their memory is freed. One wait per forward: a wait at the last group of each name would stall
 the compute stream on the copies of every name's second-to-last group as soon as each is
@@ -99,10 +100,9 @@ class ChunkLifecycle:
         if not keep:
             self.copies.offload_released(handler)  # Note [8] of offload.copy_queue
             self.copies.launch_deferred(bound=False)
-        last = handler.last_closed
-        if last is not None:
-            self._closed_last[handler.chunk_id] = (last.name, last.layer)
-            self._last_layers[handler.chunk_id] = {name: g.layer for name, g in handler.last_of_name.items()}
+        if handler.last_closed is not None:
+            self._closed_last[handler.chunk_id] = handler.last_closed
+            self._last_layers[handler.chunk_id] = {name: count - 1 for name, count in handler.invocations.items()}
         pending = self.hand_over_forward()
         if keep:
             self.keep(pending)
@@ -138,12 +138,14 @@ class ChunkLifecycle:
             group.advance(GroupState.KEPT)
             self.stats[group.name].groups_kept += 1
 
-    def closes_forward(self, group: OffloadGroup) -> bool:
-        """Whether ``group`` is the one that closed last in its chunk's previous forward."""
-        return self._closed_last.get(group.handler.chunk_id) == (group.name, group.layer)
+    def closes_forward(self, handler: ChunkOffloadHandler, name: str, layer: int) -> bool:
+        """Whether invocation ``layer`` of ``name`` is the one that closed last in ``handler``'s
+        chunk's previous forward (offloaded or declined by the group policy)."""
+        return self._closed_last.get(handler.chunk_id) == (name, layer)
 
     def known_not_last(self, group: OffloadGroup) -> bool:
-        """Whether ``group`` comes before its name's last group in its chunk's previous forward."""
+        """Whether ``group`` comes before its name's last invocation (offloaded or declined by
+        the group policy) in its chunk's previous forward."""
         layers = self._last_layers.get(group.handler.chunk_id)
         return layers is not None and group.layer < layers.get(group.name, -1)
 

@@ -109,6 +109,22 @@ Note [10] Views with gaps. A saved view whose elements are rows with gaps betwee
     1.65 s step). A second view of the same storage saved in the same group makes the record all
     of the storage (`TensorRecord.widen`): one copy each way, as before.
 
+Note [11] Declined invocations. A group the policy declines (`offload.group_policy`) is an
+    invocation of its name all the same, and the engine counts it so. Its backward runs before
+    the backward of the name's groups before it: the name's pending group is not the last of its
+    chunk forward and is decided there (and, from the chunk's next forward on, at its own close,
+    `ChunkLifecycle.known_not_last` counting every invocation), so ``layers:0-1`` offloads both
+    layers of a deeper model and not only the first (the second was kept by the last-layer rule,
+    as if the chunk's backward followed it). A group's reload is issued by the backward of the
+    next group of its name (``prev_same``); where the next invocation was declined, by the
+    backward of the next group to open after that invocation, of any name (``reloads_too``): one
+    layer ahead, as for the others, not on demand. Its open issues the decided copies and applies the
+    in-flight bound, and its close frees the copies found done, as a group's do: the copies of the
+    layers offloaded run under the declined layers after them. And the forward's end is the close
+    of the invocation that closed last, offloaded or declined: the copies in flight are waited for
+    there, not at the close of the last group offloaded, which would stall the compute stream on
+    that group's own copies with the declined layers' compute still to come.
+
 The in-flight bound: when a group opens, the compute stream first waits for the oldest copies
 until at most ``max_inflight_groups`` groups hold GPU memory while their copies run
 (`apply_bound`), and only then are the copies decided since the last open issued; so each copy

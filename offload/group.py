@@ -286,7 +286,7 @@ class OffloadGroup:
     (which `offload.copy_queue.CopyQueue` records and waits on)."""
 
     __slots__ = (
-        "name", "layer", "label", "handler", "prev_same", "records", "borrowed", "state",
+        "name", "layer", "label", "handler", "prev_same", "reloads_too", "records", "borrowed", "state",
         "stream", "ready", "d2h_done", "h2d_done", "alloc_stream", "waited", "capture", "packed_views",
         "__weakref__",
     )
@@ -299,6 +299,9 @@ class OffloadGroup:
         chunk = f"/c{handler.chunk_id}" if handler.chunk_id else ""
         self.label = f"{name}/L{layer}{chunk}/mb{handler.microbatch}"
         self.prev_same = prev_same
+        # Groups whose next invocation of their name the policy declined: their reload is this
+        # group's backward's to issue, with ``prev_same``'s (Note [11] of offload.copy_queue).
+        self.reloads_too: tuple[OffloadGroup, ...] = ()
         self.records: list[TensorRecord] = []
         self.borrowed: list[TensorRecord] = []
         self.state = GroupState.OPEN

@@ -16,11 +16,11 @@ the helpers below build common ones. A policy runs once per group opening, on th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Literal
+from typing import Callable, Iterable, Literal, Mapping
 
 import torch
 
-__all__ = ["GroupInfo", "GroupPolicy", "by_layer", "min_live", "warmup_only"]
+__all__ = ["GroupInfo", "GroupPolicy", "by_layer", "by_name", "min_live", "warmup_only"]
 
 
 @dataclass(frozen=True)
@@ -89,3 +89,25 @@ def min_live(count: int) -> GroupPolicy:
 def warmup_only(info: GroupInfo) -> bool:
     """Offload the groups of warm-up forwards only (their activations wait longest)."""
     return info.phase == "warmup"
+
+
+def by_name(policies: Mapping[str, GroupPolicy | None], default: GroupPolicy | None = None) -> GroupPolicy:
+    """Each name its own policy (``None``: every group of it), ``default`` for the names not
+    in ``policies`` (``None``: every group).
+
+    ``by_name({"expert_fc1": by_layer({0})}, by_layer(range(3)))`` offloads the experts' fc1
+    input of the first layer only and the other names' groups of the first three layers: a
+    name whose copies take longer than the compute they run under, on fewer layers.
+    """
+    for name, policy in policies.items():
+        if policy is not None and not callable(policy):
+            raise TypeError(f"offload: by_name's policy for {name!r} must be a callable or None, got {policy!r}")
+    if default is not None and not callable(default):
+        raise TypeError(f"offload: by_name's default must be a callable or None, got {default!r}")
+    table = dict(policies)
+
+    def policy(info: GroupInfo) -> bool:
+        chosen = table.get(info.name, default)
+        return chosen is None or bool(chosen(info))
+
+    return policy

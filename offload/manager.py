@@ -81,6 +81,7 @@ class PipelineOffloadManager:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._open: list[OffloadGroup] = []  # enabled groups open, innermost last
         self._names_open: list[str] = []  # every group open, enabled or not
+        self._declined: list[tuple[int, ChunkOffloadHandler, int]] = []  # open groups the policy declined: (depth, handler, layer)
         self.declared_names: set[str] = set()
         self._names_checked = False
         self.hook_calls = 0  # saved-tensor hook calls, ever (a graph replay makes none)
@@ -146,6 +147,7 @@ class PipelineOffloadManager:
         self.copies.reset()
         self._open.clear()
         self._names_open.clear()
+        self._declined.clear()
         self.policy.never_offload_depth = 0
         if release_pool:
             self.pool.close()
@@ -195,6 +197,8 @@ class PipelineOffloadManager:
         policy = self.config.policy
         if policy is not None and not policy(handler.group_info(name, layer, self.order.plan)):
             self.stats[name].groups_declined += 1
+            self._decline(handler, name, layer)
+            self._declined.append((len(self._names_open), handler, layer))
             return None
         self._issue_decided(handler, name if handler.host_syncs else None)  # Notes [7], [9]
         if self.captures.in_region:
@@ -211,6 +215,10 @@ class PipelineOffloadManager:
             raise OffloadError(f"offload: group {name!r} closed out of order (open: {self._names_open})")
         self._names_open.pop()
         if group is None:
+            declined = self._declined
+            if declined and declined[-1][0] == len(self._names_open) + 1:
+                _, handler, layer = declined.pop()
+                self._invocation_closed(handler, name, layer, eager=handler.capture is None and not self.captures.in_region)
             return
         if not self._open or self._open[-1] is not group:
             raise OffloadError(f"offload: group {group.label!r} closed out of order")
@@ -224,8 +232,30 @@ class PipelineOffloadManager:
         not_last = group.capture is None and not self.captures.in_region and self.chunks.known_not_last(group)
         for decided in group.handler.close_group(group, not_last):
             self.copies.defer(decided)  # issued at the next group's open: Note [7] of offload.copy_queue
-        if group.capture is None and self.chunks.closes_forward(group):
-            self.copies.offload_released(group.handler)  # Note [8] of offload.copy_queue
+        self._invocation_closed(group.handler, name, group.layer, eager=group.capture is None)
+
+    def _decline(self, handler: ChunkOffloadHandler, name: str, layer: int) -> None:
+        """The group policy declined invocation ``layer`` of ``name``: as at any group open, the
+        decided copies are issued; the name's pending group, which this invocation follows, is
+        not the last of its chunk forward; and where that group ran just before, in the layer
+        before, the next group to open issues its reload (Note [11] of offload.copy_queue)."""
+        previous = handler.last_of_name.get(name)
+        if previous is not None and previous.layer == layer - 1:
+            handler.unlinked.append(previous)
+        if not self.captures.in_region:
+            previous = handler.pending.pop(name, None)
+            if previous is not None:
+                self.copies.defer(previous)
+        self._issue_decided(handler, name if handler.host_syncs else None)  # Notes [7], [9]
+
+    def _invocation_closed(self, handler: ChunkOffloadHandler, name: str, layer: int, eager: bool) -> None:
+        """Invocation ``layer`` of ``name``, offloaded or declined, closed. If it closed last in
+        its chunk's previous forward, this forward is at its end (`offload.chunk_lifecycle`):
+        its records held elsewhere get a look and the copies in flight are waited for, where
+        it offloaded anything. Copies found done are freed."""
+        handler.last_closed = (name, layer)
+        if eager and handler.groups and self.chunks.closes_forward(handler, name, layer):
+            self.copies.offload_released(handler)  # Note [8] of offload.copy_queue
             if self.config.copies_into_backward:
                 self.copies.launch_deferred(bound=False)  # waited for when the backward begins
             else:
@@ -277,7 +307,8 @@ class PipelineOffloadManager:
 
     def on_group_backward_done(self, group: OffloadGroup) -> None:
         """After a group's backward (its inputs' gradient hooks ran: Note [1] of
-        offload.regions), reload the group that backward needs one layer later (same name)."""
+        offload.regions), reload the group that backward needs one layer later (same name),
+        and those whose next invocation was declined (Note [11] of offload.copy_queue)."""
         handler = group.handler
         if handler.phase is HandlerPhase.RETIRED:
             return  # the engine was reset under this backward: nothing of it is left
@@ -288,9 +319,12 @@ class PipelineOffloadManager:
             successor = self.order.successor(handler)
             if successor is not None and successor.phase is HandlerPhase.FORWARD_DONE:
                 target = successor.last_of_name.get(group.name)
-        # A reload may not cross a graph's edge (Note [3] of offload.copy_queue).
-        if target is not None and target.capture is group.capture and target.state is GroupState.OFFLOADED:
-            self.reload(target, prefetch=True)
+                if target is not None and target.layer != successor.invocations[group.name] - 1:
+                    target = None  # declined invocations follow it: a group of its own chunk reloads it
+        for target in (target, *group.reloads_too):
+            # A reload may not cross a graph's edge (Note [3] of offload.copy_queue).
+            if target is not None and target.capture is group.capture and target.state is GroupState.OFFLOADED:
+                self.reload(target, prefetch=True)
         self.copies.poll()
 
     # ------------------------------------------------------------------ saved-tensor hooks

@@ -60,6 +60,38 @@ def test_stack_gradients_bitwise_equal(configure, monkeypatch, dtype, variant):
         assert stats.total().groups_kept == len(GPT_MAPPING)
 
 
+def test_a_policy_that_declines_layers_is_bitwise_and_prefetches(configure, monkeypatch):
+    """``fc1`` offloaded in layer 0 only, the other names in layers 0, 1 and 3 of four
+    (`offload.group_policy.by_name`), copies slowed: gradients bitwise over fresh inputs, the
+    declined invocations' layers offloaded and not kept, and every offloaded group reloaded
+    ahead of its backward, also where its name's next invocation was declined (Note [11] of
+    offload.copy_queue)."""
+    from offload.group_policy import by_layer, by_name
+
+    hidden, heads, layers, seq, batch = 256, 4, 4, 256, 2
+    model = build_gpt(hidden, heads, layers, dtype=torch.bfloat16, device="cuda")
+    ref_model = copy.deepcopy(model)
+    x, g = seeded_pair(0, seq, batch, hidden, dtype=torch.bfloat16, device="cuda")
+    reproducible(lambda: train_step(ref_model, x, g))
+    configure(list(GPT_MAPPING), min_tensor_bytes=1024, device="cuda",
+              policy=by_name({"fc1": by_layer({0})}, by_layer({0, 1, 3})))
+    offload.attach(model, GPT_MAPPING)
+    slow_side_streams(monkeypatch)
+    for it in range(10):
+        x, g = seeded_pair(it + 1, seq, batch, hidden, dtype=torch.bfloat16, device="cuda")
+        ref_out, ref = train_step(ref_model, x, g)
+        out, got = train_step(model, x, g)
+        assert torch.equal(out, ref_out), f"iteration {it}: outputs differ"
+        diff = first_difference(ref, got)
+        assert diff is None, f"iteration {it}: {diff}"
+        stats = offload.end_iteration()
+        fc1 = stats.by_name["fc1"]
+        assert (fc1.groups_offloaded, fc1.groups_kept, fc1.groups_declined) == (1, 0, 3)
+        for name, s in stats.by_name.items():
+            assert s.reloads_on_demand == 0, f"iteration {it}: {name} reloaded on demand"
+            assert s.reloads_prefetched == s.groups_offloaded, f"iteration {it}: {name}"
+
+
 def test_selective_plan_gradients_bitwise_equal(monkeypatch):
     """A plan with selective checkpoints (`offload.planner.apply.SavedModules`): the MLP keeping
     fc1, the attention keeping core_attn, their inputs and attn_norm offloaded, copies slowed:

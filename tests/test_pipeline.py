@@ -16,7 +16,7 @@ import torch
 import offload
 from conftest import CPU_PIPELINE_GRID as GRID, gpt_chunks
 from offload.errors import OffloadError
-from offload.group_policy import GroupInfo, by_layer, min_live, warmup_only
+from offload.group_policy import GroupInfo, by_layer, by_name, min_live, warmup_only
 from offload.chunk_lifecycle import ChunkLifecycle
 from offload.manager import PipelineOffloadManager
 from offload.schedules import SchedulePlan, backward_order, kept_last_group, schedule_events, schedule_order
@@ -329,8 +329,11 @@ def test_policy_without_schedule_infers_phase_and_live(configure):
         (by_layer(lambda layer: layer % 2 == 1), lambda info: info.layer % 2 == 1),
         (min_live(3), lambda info: info.live >= 3),
         (warmup_only, lambda info: info.phase == "warmup"),
+        (by_name({"fc1": by_layer({0})}, by_layer(range(3))),
+         lambda info: info.layer == 0 if info.name == "fc1" else info.layer < 3),
+        (by_name({"core_attn": min_live(3)}), lambda info: info.name == "fc1" or info.live >= 3),
     ],
-    ids=["layers", "odd-layers", "min_live", "warmup_only"],
+    ids=["layers", "odd-layers", "min_live", "warmup_only", "by_name", "by_name-default-all"],
 )
 def test_builtin_policies(configure, policy, offloaded):
     seen, stats, _ = _policy_run(configure, policy)
@@ -339,6 +342,66 @@ def test_builtin_policies(configure, policy, offloaded):
     assert 0 < len(declined) < len(seen)
     assert total.groups_declined == len(declined)
     assert total.groups == len(seen) - len(declined)
+
+
+def test_declined_layers_after_a_group_make_it_not_the_last(configure, monkeypatch):
+    """``by_layer({0, 1})`` on four layers offloads layers 0 and 1, in the chunk's first forward
+    too: the declined layers 2 and 3 come after layer 1, so their backward comes first and
+    layer 1 is not the last-layer rule's to keep. The forward's end, where the copies in flight
+    are waited for, is the close of layer 3's last invocation, not of layer 1's (Note [11] of
+    offload.copy_queue)."""
+    torch.manual_seed(0)
+    ref_chunk = _chunks(1, layers=4)[0]
+    chunk = copy.deepcopy(ref_chunk)
+    inputs = [torch.randn(SHAPE, requires_grad=True) for _ in range(3)]
+    log: list = []
+    admit = by_layer({0, 1})
+
+    def logging_policy(info: GroupInfo) -> bool:
+        log.append((info.name, info.layer))
+        return admit(info)
+
+    configure(NAMES, policy=logging_policy)
+    _attach([chunk])
+    copies = PipelineOffloadManager.get().copies
+    real_flush = copies.flush
+    monkeypatch.setattr(copies, "flush", lambda: (log.append("flush"), real_flush())[1])
+    got, ref = [], []
+    for x in inputs:
+        log.append("forward")
+        chunk(x).sum().backward()
+        got.append([p.grad.clone() for p in chunk.parameters()])
+        log.append("backward done")
+        ref_chunk(x).sum().backward()
+        ref.append([p.grad.clone() for p in ref_chunk.parameters()])
+    stats = offload.end_iteration()
+    for a, b in zip(ref, got):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    for name in NAMES:
+        s = stats.by_name[name]
+        assert (s.groups_offloaded, s.groups_kept, s.groups_declined) == (2 * 3, 0, 2 * 3)
+    forwards = "|".join(str(e) for e in log).split("forward|")[1:]
+    last_invocation = str((NAMES[-1], 3))
+    for forward in forwards[1:]:  # the first forward cannot know its end
+        before_backward = forward.split("|backward done")[0].split("|")
+        assert before_backward.index("flush") == before_backward.index(last_invocation) + 1
+
+
+@pytest.mark.parametrize("pp,vpp,m,rank", [(1, 1, 3, 0), (2, 2, 4, 0)], ids=["one-chunk", "pp2-vpp2"])
+def test_a_group_whose_next_invocation_is_declined_is_prefetched(configure, pp, vpp, m, rank):
+    """``fc1`` offloaded in layer 0 only, ``core_attn`` in layers 0, 1 and 3 of four: the groups
+    whose name's next invocation is declined are reloaded by the backward of the next group to
+    open, not on demand (Note [11] of offload.copy_queue), and the gradients are bitwise. (The
+    last group of the iteration's first backward has nothing before it to prefetch it, with or
+    without a policy: no more are reloaded on demand than with every group offloaded.)"""
+    _, everything, _ = _policy_run(configure, lambda info: True, pp=pp, vpp=vpp, m=m, rank=rank)
+    _, stats, _ = _policy_run(configure, by_name({"fc1": by_layer({0})}, by_layer({0, 1, 3})), pp=pp, vpp=vpp,
+                              m=m, rank=rank)
+    for name in NAMES:
+        s, on_demand = stats.by_name[name], everything.by_name[name].reloads_on_demand
+        assert s.groups_offloaded > 0
+        assert s.reloads_on_demand <= on_demand, name
+        assert s.reloads_prefetched + s.reloads_on_demand == s.groups_offloaded, name
 
 
 def test_policy_declines_everything_on_the_last_rank(configure):
@@ -353,3 +416,7 @@ def test_bad_policy(configure):
         configure(NAMES, policy="all")
     with pytest.raises(ValueError, match="min_live needs an int >= 1"):
         min_live(0)
+    with pytest.raises(TypeError, match="by_name's policy for 'fc1' must be a callable or None"):
+        by_name({"fc1": "layers:0"})
+    with pytest.raises(TypeError, match="by_name's default must be a callable or None"):
+        by_name({}, default=0)

@@ -587,7 +587,7 @@ def apply(
             mode = cuda_graph_mode(config)
             graphed |= bool(names) and mode is not None and mode.through_offload
     if isinstance(policy, str) or policy is None:
-        policy = parse_policy(policy)
+        policy = parse_policy(policy, names or None)
     handle = MegatronOffload(names)
     if names:
         offload.configure(names, min_tensor_bytes=min_tensor_bytes, max_inflight_groups=max_inflight_groups,

@@ -64,18 +64,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--offload-policy", default="all", metavar="POLICY",
         help="which groups of the names to offload: all (default), warmup_only, "
-             "min_live:N (only while N microbatches are live), layers:0-3,6 (these layers)",
+             "min_live:N (only while N microbatches are live), layers:0-3,6 (these layers); "
+             "per name, clauses separated by ';': 'expert_fc1=layers:0;layers:0-2' (NAMES=POLICY "
+             "for those names, a clause without names for the others)",
     )
     return parser
 
 
-def parse_policy(spec: str | None) -> group_policy.GroupPolicy | None:
+def parse_policy(spec: str | None, modules: Iterable[str] | None = None) -> group_policy.GroupPolicy | None:
     """Turn ``all``, ``warmup_only``, ``min_live:N`` or ``layers:0-3,6`` into a group policy
-    (``None`` for ``all``); raises ValueError with the accepted forms otherwise."""
-    forms = "all, warmup_only, min_live:N, layers:A-B,C"
-    if spec is None or spec.strip() in ("", "all"):
+    (``None`` for ``all``); per name, clauses separated by ``;``, each ``NAMES=POLICY`` for
+    those comma-separated names, and at most one without names for the others
+    (``expert_fc1=layers:0;layers:0-2``: `offload.group_policy.by_name`). With ``modules``
+    (the ``--offload-modules`` names) a clause's names must be among them. Raises ValueError
+    with the accepted forms (`UnknownModuleError` for a name)."""
+    text = "all" if spec is None else spec.strip()
+    clauses = [c.strip() for c in text.split(";")]
+    if len(clauses) == 1 and "=" not in clauses[0]:
+        return _parse_one_policy(clauses[0], text)
+    per_name: dict[str, group_policy.GroupPolicy | None] = {}
+    default: list[group_policy.GroupPolicy | None] = []
+    for clause in clauses:
+        names_text, eq, form = clause.rpartition("=")
+        if not eq:
+            if default:
+                raise ValueError(f"offload: two clauses without names in --offload-policy {spec!r}; "
+                                 "give one, for the names no other clause names")
+            default.append(_parse_one_policy(form, text))
+            continue
+        names = [n.strip() for n in names_text.split(",")]
+        if not all(names):
+            raise ValueError(f"offload: a clause {clause!r} of --offload-policy {spec!r} names no module; "
+                             "write NAMES=POLICY, e.g. expert_fc1=layers:0")
+        if modules is not None:
+            check_known(names, modules, "--offload-policy (the --offload-modules names)")
+        for name in names:
+            if name in per_name:
+                raise ValueError(f"offload: {name!r} is in two clauses of --offload-policy {spec!r}")
+            per_name[name] = _parse_one_policy(form, text)
+    return group_policy.by_name(per_name, default[0] if default else None)
+
+
+def _parse_one_policy(spec: str, whole: str) -> group_policy.GroupPolicy | None:
+    """One clause's policy (``None`` for ``all``); ``whole`` is the flag's value, for errors."""
+    forms = "all, warmup_only, min_live:N, layers:A-B,C; per name NAMES=POLICY clauses separated by ';'"
+    if spec in ("", "all"):
         return None
-    kind, _, arg = spec.strip().partition(":")
+    kind, _, arg = spec.partition(":")
     if kind == "warmup_only" and not arg:
         return group_policy.warmup_only
     if kind == "min_live" and arg.strip().isdigit() and int(arg) >= 1:
@@ -85,13 +120,13 @@ def parse_policy(spec: str | None) -> group_policy.GroupPolicy | None:
         for part in arg.split(","):
             m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
             if not m:
-                raise ValueError(f"offload: bad layer range {part!r} in --offload-policy {spec!r}")
+                raise ValueError(f"offload: bad layer range {part!r} in --offload-policy {whole!r}")
             lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
             if hi < lo:
-                raise ValueError(f"offload: empty layer range {part!r} in --offload-policy {spec!r}")
+                raise ValueError(f"offload: empty layer range {part!r} in --offload-policy {whole!r}")
             layers.update(range(lo, hi + 1))
         return group_policy.by_layer(layers)
-    raise ValueError(f"offload: unknown --offload-policy {spec!r}; accepted: {forms}")
+    raise ValueError(f"offload: unknown --offload-policy {whole!r}; accepted: {forms}")
 
 
 _ENGINE_ONLY_FLAGS = (("--offload-max-inflight-groups", "max_inflight_groups"), ("--offload-policy", "policy"),
@@ -126,7 +161,7 @@ class Options:
         """The engine's settings among these, as `offload.configure` and `apply` take them (the
         policy parsed)."""
         return dict(min_tensor_bytes=self.min_tensor_bytes, max_inflight_groups=self.max_inflight_groups,
-                    policy=parse_policy(self.policy), copies_into_backward=self.copies_into_backward)
+                    policy=parse_policy(self.policy, self.modules or None), copies_into_backward=self.copies_into_backward)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Options":
@@ -161,6 +196,8 @@ class Options:
         )
         check_auto_options(opts.modules, opts.memory_budget, opts.max_inflight_groups, opts.policy,
                            opts.copies_into_backward)
+        if not opts.auto:  # a bad --offload-policy fails here, before any model is built
+            parse_policy(opts.policy, opts.modules or None)  # no names: nothing is offloaded, the policy unused
         return opts
 
 
