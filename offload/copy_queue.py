@@ -118,7 +118,9 @@ Note [11] Declined invocations. A group the policy declines (`offload.group_poli
     as if the chunk's backward followed it). A group's reload is issued by the backward of the
     next group of its name (``prev_same``); where the next invocation was declined, by the
     backward of the next group to open after that invocation, of any name (``reloads_too``): one
-    layer ahead, as for the others, not on demand. Its open issues the decided copies and applies the
+    layer ahead, as for the others, not on demand (where no group opens after it in its chunk
+    forward, nothing signals: on demand, as for a group without inputs, Note [1] of
+    `offload.regions`). A declined invocation's open issues the decided copies and applies the
     in-flight bound, and its close frees the copies found done, as a group's do: the copies of the
     layers offloaded run under the declined layers after them. And the forward's end is the close
     of the invocation that closed last, offloaded or declined: the copies in flight are waited for
