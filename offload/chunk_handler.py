@@ -87,7 +87,7 @@ class ChunkOffloadHandler:
         self.groups: list[OffloadGroup] = []
         self.last_of_name: dict[str, OffloadGroup] = {}
         self.pending: dict[str, OffloadGroup] = {}
-        self.unlinked: list[OffloadGroup] = []  # their name's next invocation was declined: the next group reloads them
+        self.unlinked: list[OffloadGroup] = []  # next invocation of their name declined: the next group reloads them
         self.last_closed: tuple[str, int] | None = None  # (name, layer) of the invocation that closed last here
         self._by_storage: dict[int, list[TensorRecord]] = {}  # storage address -> its records
         self.held: list[TensorRecord] = []  # not copied: held elsewhere then (Note [8] of offload.copy_queue)

@@ -15,8 +15,9 @@ each name's last invocation, offloaded or declined by the group policy (`known_n
 copies are issued at the next group open (Note [7] of `offload.copy_queue`), so the copies of a
 chunk's second-to-last layer run under its last layer, within the in-flight bound as everywhere
 else. (In a chunk's first forward a group is decided only when the next group of its name
-closes, or the next invocation of its name is declined.) Whatever is still in flight when the forward's last group closes would hold its
-memory through the forward's end, where a step's memory often peaks. So the lifecycle also
+closes, or the next invocation of its name is declined.) Whatever is still in flight when the
+forward's last group closes would hold its memory through the forward's end, where a step's
+memory often peaks. So the lifecycle also
 remembers which invocation closed last (`closes_forward`): when it closes, the records held
 elsewhere get their second look, and the compute stream waits for the copies in flight and
 their memory is freed. One wait per forward: a wait at the last group of each name would stall

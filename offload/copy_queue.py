@@ -120,8 +120,9 @@ Note [11] Declined invocations. A group the policy declines (`offload.group_poli
     backward of the next group to open after that invocation, of any name (``reloads_too``): one
     layer ahead, as for the others, not on demand (where no group opens after it in its chunk
     forward, nothing signals: on demand, as for a group without inputs, Note [1] of
-    `offload.regions`). A declined invocation's open issues the decided copies and applies the
-    in-flight bound, and its close frees the copies found done, as a group's do: the copies of the
+    `offload.regions`). A declined invocation's open issues the decided copies, where there are
+    any, after the in-flight bound, and its close frees the copies found done, as a group's do
+    (a forward the policy declines whole waits for nothing it did not before): the copies of the
     layers offloaded run under the declined layers after them. And the forward's end is the close
     of the invocation that closed last, offloaded or declined: the copies in flight are waited for
     there, not at the close of the last group offloaded, which would stall the compute stream on

@@ -81,7 +81,8 @@ class PipelineOffloadManager:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._open: list[OffloadGroup] = []  # enabled groups open, innermost last
         self._names_open: list[str] = []  # every group open, enabled or not
-        self._declined: list[tuple[int, ChunkOffloadHandler, int]] = []  # open groups the policy declined: (depth, handler, layer)
+        # The open invocations the group policy declined: (depth in _names_open, handler, layer).
+        self._declined: list[tuple[int, ChunkOffloadHandler, int]] = []
         self.declared_names: set[str] = set()
         self._names_checked = False
         self.hook_calls = 0  # saved-tensor hook calls, ever (a graph replay makes none)
@@ -218,7 +219,8 @@ class PipelineOffloadManager:
             declined = self._declined
             if declined and declined[-1][0] == len(self._names_open) + 1:
                 _, handler, layer = declined.pop()
-                self._invocation_closed(handler, name, layer, eager=handler.capture is None and not self.captures.in_region)
+                eager = handler.capture is None and not self.captures.in_region
+                self._invocation_closed(handler, name, layer, eager)
             return
         if not self._open or self._open[-1] is not group:
             raise OffloadError(f"offload: group {group.label!r} closed out of order")
@@ -236,9 +238,9 @@ class PipelineOffloadManager:
 
     def _decline(self, handler: ChunkOffloadHandler, name: str, layer: int) -> None:
         """The group policy declined invocation ``layer`` of ``name``: as at any group open, the
-        decided copies are issued; the name's pending group, which this invocation follows, is
-        not the last of its chunk forward; and where that group ran just before, in the layer
-        before, the next group to open issues its reload (Note [11] of offload.copy_queue)."""
+        decided copies, if any, are issued; the name's pending group, which this invocation
+        follows, is not the last of its chunk forward; and where the name's last group ran in the
+        layer before, the next group to open issues its reload (Note [11] of offload.copy_queue)."""
         previous = handler.last_of_name.get(name)
         if previous is not None and previous.layer == layer - 1:
             handler.unlinked.append(previous)
@@ -246,7 +248,8 @@ class PipelineOffloadManager:
             previous = handler.pending.pop(name, None)
             if previous is not None:
                 self.copies.defer(previous)
-        self._issue_decided(handler, name if handler.host_syncs else None)  # Notes [7], [9]
+        if self.copies.deferred:  # a forward the policy declines whole waits for nothing here
+            self._issue_decided(handler, name if handler.host_syncs else None)  # Notes [7], [9]
 
     def _invocation_closed(self, handler: ChunkOffloadHandler, name: str, layer: int, eager: bool) -> None:
         """Invocation ``layer`` of ``name``, offloaded or declined, closed. If it closed last in

@@ -62,10 +62,10 @@ def test_stack_gradients_bitwise_equal(configure, monkeypatch, dtype, variant):
 
 def test_a_policy_that_declines_layers_is_bitwise_and_prefetches(configure, monkeypatch):
     """``fc1`` offloaded in layer 0 only, the other names in layers 0, 1 and 3 of four
-    (`offload.group_policy.by_name`), copies slowed: gradients bitwise over fresh inputs, the
-    declined invocations' layers offloaded and not kept, and every offloaded group reloaded
-    ahead of its backward, also where its name's next invocation was declined (Note [11] of
-    offload.copy_queue)."""
+    (`offload.group_policy.by_name`), copies slowed: gradients bitwise over fresh inputs, a
+    group followed by declined invocations of its name offloaded, not kept, and every
+    offloaded group reloaded ahead of its backward, also where its name's next invocation was
+    declined (Note [11] of offload.copy_queue)."""
     from offload.group_policy import by_layer, by_name
 
     hidden, heads, layers, seq, batch = 256, 4, 4, 256, 2

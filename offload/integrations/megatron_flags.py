@@ -161,7 +161,8 @@ class Options:
         """The engine's settings among these, as `offload.configure` and `apply` take them (the
         policy parsed)."""
         return dict(min_tensor_bytes=self.min_tensor_bytes, max_inflight_groups=self.max_inflight_groups,
-                    policy=parse_policy(self.policy, self.modules or None), copies_into_backward=self.copies_into_backward)
+                    policy=parse_policy(self.policy, self.modules or None),
+                    copies_into_backward=self.copies_into_backward)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Options":
