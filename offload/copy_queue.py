@@ -126,7 +126,9 @@ Note [11] Declined invocations. A group the policy declines (`offload.group_poli
     layers offloaded run under the declined layers after them. And the forward's end is the close
     of the invocation that closed last, offloaded or declined: the copies in flight are waited for
     there, not at the close of the last group offloaded, which would stall the compute stream on
-    that group's own copies with the declined layers' compute still to come.
+    that group's own copies with the declined layers' compute still to come. Inside a CUDA-graph
+    region a declined invocation decides nothing and links no reload: a graph's copies and
+    reloads are planned at its capture (Notes [C1], [C2] of `offload.capture`).
 
 The in-flight bound: when a group opens, the compute stream first waits for the oldest copies
 until at most ``max_inflight_groups`` groups hold GPU memory while their copies run

@@ -241,10 +241,10 @@ class PipelineOffloadManager:
         decided copies, if any, are issued; the name's pending group, which this invocation
         follows, is not the last of its chunk forward; and where the name's last group ran in the
         layer before, the next group to open issues its reload (Note [11] of offload.copy_queue)."""
-        previous = handler.last_of_name.get(name)
-        if previous is not None and previous.layer == layer - 1:
-            handler.unlinked.append(previous)
-        if not self.captures.in_region:
+        if not self.captures.in_region:  # a graph's copies and reloads are planned at its capture
+            previous = handler.last_of_name.get(name)
+            if previous is not None and previous.layer == layer - 1:
+                handler.unlinked.append(previous)
             previous = handler.pending.pop(name, None)
             if previous is not None:
                 self.copies.defer(previous)
