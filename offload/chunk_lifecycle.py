@@ -11,19 +11,19 @@ chunk's forward, another chunk's backward, or the end of the iteration.
 
 The forward's end. The lifecycle remembers, from each chunk's previous forward, the layer of
 each name's last invocation, offloaded or declined by the group policy (`known_not_last`; Note
-[11] of `offload.copy_queue`): a group before it is decided when it closes, and its
-copies are issued at the next group open (Note [7] of `offload.copy_queue`), so the copies of a
-chunk's second-to-last layer run under its last layer, within the in-flight bound as everywhere
-else. (In a chunk's first forward a group is decided only when the next group of its name
-closes, or the next invocation of its name is declined.) Whatever is still in flight when the
-forward's last group closes would hold its memory through the forward's end, where a step's
-memory often peaks. So the lifecycle also
-remembers which invocation closed last (`closes_forward`): when it closes, the records held
-elsewhere get their second look, and the compute stream waits for the copies in flight and
-their memory is freed. One wait per forward: a wait at the last group of each name would stall
-the compute stream on the copies of every name's second-to-last group as soon as each is
-issued, with no compute left to hide them. The first forward of a chunk cannot know its last
-group: its copies are waited for when its backward starts (or by the in-flight bound).
+[11] of `offload.copy_queue`): a group before it is decided when it closes, and its copies are
+issued at the next group open (Note [7] of `offload.copy_queue`), so the copies of a chunk's
+second-to-last layer run under its last layer, within the in-flight bound as everywhere else.
+(In a chunk's first forward a group is decided only when the next group of its name closes, or
+the next invocation of its name is declined.) Whatever is still in flight when the forward's
+last group closes would hold its memory through the forward's end, where a step's memory often
+peaks. So the lifecycle also remembers which invocation closed last (`closes_forward`): when it
+closes, the records held elsewhere get their second look, and the compute stream waits for the
+copies in flight and their memory is freed. One wait per forward: a wait at the last group of
+each name would stall the compute stream on the copies of every name's second-to-last group as
+soon as each is issued, with no compute left to hide them. The first forward of a chunk cannot
+know its last group: its copies are waited for when its backward starts (or by the in-flight
+bound).
 
 Where the schedule is known (`set_schedule`) and says a chunk forward's own backward does not
 come next, that forward is over when the attached model's forward returns

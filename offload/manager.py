@@ -242,12 +242,12 @@ class PipelineOffloadManager:
         follows, is not the last of its chunk forward; and where the name's last group ran in the
         layer before, the next group to open issues its reload (Note [11] of offload.copy_queue)."""
         if not self.captures.in_region:  # a graph's copies and reloads are planned at its capture
-            previous = handler.last_of_name.get(name)
-            if previous is not None and previous.layer == layer - 1:
-                handler.unlinked.append(previous)
-            previous = handler.pending.pop(name, None)
-            if previous is not None:
-                self.copies.defer(previous)
+            last_group = handler.last_of_name.get(name)
+            if last_group is not None and last_group.layer == layer - 1:
+                handler.unlinked.append(last_group)
+            pending = handler.pending.pop(name, None)
+            if pending is not None:
+                self.copies.defer(pending)
         if self.copies.deferred:  # a forward the policy declines whole waits for nothing here
             self._issue_decided(handler, name if handler.host_syncs else None)  # Notes [7], [9]
 
